@@ -1,0 +1,6 @@
+"""kvflow: a compact LLM inference engine (paged KV cache, continuous batching, prefix caching)."""
+from kvflow.frontend.llm import LLM
+from kvflow.frontend.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,163 @@
+"""One config tree, resolved (every "auto" decided) before any process starts, then frozen.
+
+The structs are msgspec Structs so the resolved tree can travel to child processes as bytes.
+Values only known at run time (how many KV blocks fit) travel back in a message instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    path: str                      # a local HF folder: config.json, *.safetensors, tokenizer
+    architecture: str
+    dtype: str
+    load_format: str               # "safetensors" | "dummy"
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: dict                # config.json as read; workers build their modules from it
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_gb: float
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    tensor_parallel_size: int = 1
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    seed: int
+    attention_backend: str
+    num_threads: int               # torch intra-op threads per worker process
+
+
+def read_hf_config(path: str) -> dict:
+    """Read config.json of a model folder, with a clear error when it is not a model."""
+    if not os.path.isdir(path):
+        raise ValueError(f"model={path!r}: no such directory (and not a known model name)")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"model={path!r}: no config.json in the folder")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def _check_weights(path: str, load_format: str) -> None:
+    if load_format == "dummy":
+        return
+    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ValueError(f"model={path!r}: no *.safetensors weights in the folder")
+
+
+def _eos_token_ids(path: str, hf: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (which may list several) or config.json."""
+    eos = hf.get("eos_token_id")
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _resolve_dtype(dtype: str, hf: dict) -> str:
+    if dtype == "auto":
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {('auto',) + DTYPES}")
+    return dtype
+
+
+def _auto_kv_cache_gb() -> float:
+    """A safe share of the RAM available now: 10%, at most 2 GiB, at least 0.25 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        available_gb = 4.0
+    return max(0.25, min(2.0, 0.1 * available_gb))
+
+
+def make_engine_config(
+    model_path: str,
+    *,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    kv_cache_memory_gb: float | None = None,
+    load_format: str = "safetensors",
+    attention_backend: str = "auto",
+    num_threads: int | None = None,
+) -> EngineConfig:
+    """Validate every user value and decide every "auto"; raises ValueError naming the field."""
+    hf = read_hf_config(model_path)
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
+    _check_weights(model_path, load_format)
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model={model_path!r}: architecture {arch!r} is not one of "
+                         f"{SUPPORTED_ARCHITECTURES}")
+    hf_max_len = int(hf.get("max_position_embeddings", 2048))
+    max_model_len = max_model_len or hf_max_len
+    _check_positive(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    block_size=block_size)
+    if max_model_len > hf_max_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={hf_max_len}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two")
+    if kv_cache_memory_gb is not None and kv_cache_memory_gb <= 0:
+        raise ValueError(f"kv_cache_memory_gb={kv_cache_memory_gb} must be > 0")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={attention_backend!r} must be one of "
+                         f"{ATTENTION_BACKENDS}")
+    model = ModelConfig(
+        path=os.path.abspath(model_path), architecture=arch,
+        dtype=_resolve_dtype(dtype, hf), load_format=load_format,
+        vocab_size=int(hf["vocab_size"]), max_model_len=max_model_len,
+        eos_token_ids=_eos_token_ids(model_path, hf), hf_config=hf)
+    cache = CacheConfig(
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+        kv_cache_memory_gb=kv_cache_memory_gb or _auto_kv_cache_gb())
+    threads = num_threads or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+    return EngineConfig(
+        model=model, cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        seed=seed, attention_backend=attention_backend, num_threads=threads)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,55 @@
+"""A request's state inside EngineCore: its tokens, its progress, its blocks."""
+from __future__ import annotations
+
+import enum
+
+from kvflow.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens so far (prompt + output) and how many of them have KV in the cache.
+
+    `num_computed_tokens` chases `num_tokens`: a prefill is a request far behind, a decode is a
+    request one token behind. `block_hashes[i]` is the chained hash of full block i.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: float = 0.0) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1       # set once, when first scheduled
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0    # leading blocks whose hash is in the prefix cache
+        self.finish_reason: str | None = None
+        # What the worker already knows of this request (plans are diffs against it).
+        self.on_worker = False
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

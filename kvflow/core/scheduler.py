@@ -1,0 +1,204 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones (FCFS).
+
+Invariant, checked at the end of every step (`check`):
+  * every running request holds blocks for all its computed tokens, and running <= max_num_seqs;
+  * a waiting request holds no blocks;
+  * the block manager's references are exactly the blocks held by running requests.
+There are no prefill and decode phases: each request's `num_computed_tokens` chases its
+`num_tokens`; chunked prefill is a request given fewer tokens than it lacks, decode is a request
+one token behind. When a running request cannot get a block, the most recently admitted running
+request is preempted (blocks freed, recomputed later) and goes to the front of the queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from kvflow.core.block_manager import BlockManager
+from kvflow.core.request import Request, Status
+from kvflow.ipc.messages import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CachedRequestData,
+                                 EngineStats, NewRequestData, RequestDelta, StepPlan, StepResult)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []      # in admission order
+        self.requests: dict[str, Request] = {}
+        self.forget_ids: list[str] = []       # for the workers, with the next plan
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, request.request_id
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[StepPlan, list[Request]]:
+        """Pick this step's batch and build the plan (a diff against the workers' state)."""
+        batch: list[tuple[Request, int]] = []
+        budget = self.max_num_batched_tokens
+        budget, preempted = self._schedule_running(batch, budget)
+        if not preempted:
+            self._schedule_waiting(batch, budget)
+        plan = self._make_plan(batch)
+        return plan, [request for request, _ in batch]
+
+    def _schedule_running(self, batch: list[tuple[Request, int]], budget: int) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()           # the most recently admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                batch.append((request, num_new))
+                budget -= num_new
+                i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, batch: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(request)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:     # first admission: count it for the stats
+                request.num_cached_tokens = num_cached
+                self.block_manager.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.status = Status.RUNNING
+            self.running.append(request)
+            batch.append((request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+        request.status = Status.WAITING
+        request.on_worker = False
+        self.forget_ids.append(request.request_id)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _make_plan(self, batch: list[tuple[Request, int]]) -> StepPlan:
+        new, cached = [], []
+        for request, _ in batch:
+            if not request.on_worker:
+                new.append(NewRequestData(
+                    request.request_id, list(request.token_ids), list(request.block_ids),
+                    request.num_computed_tokens, request.sampling_params,
+                    request.num_output_tokens))
+                request.on_worker = True
+            else:
+                cached.append(CachedRequestData(
+                    request.request_id, request.token_ids[request.num_tokens_sent:],
+                    request.block_ids[request.num_blocks_sent:]))
+            request.num_tokens_sent = request.num_tokens
+            request.num_blocks_sent = len(request.block_ids)
+        plan = StepPlan(new, cached, [r.request_id for r, _ in batch], [n for _, n in batch],
+                        self.forget_ids)
+        self.forget_ids = []
+        return plan
+
+    # --- update ----------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, batch: list[Request],
+               result: StepResult) -> list[RequestDelta]:
+        """Advance the batch by what was computed, append sampled tokens, finish requests."""
+        sampled = dict(zip(result.request_ids, range(len(result.request_ids))))
+        deltas = []
+        for request, num_new in zip(batch, plan.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(request)
+            i = sampled.get(request.request_id)
+            if i is None:                    # a prefill chunk that did not reach the end yet
+                continue
+            token_id = result.sampled_token_ids[i]
+            request.token_ids.append(token_id)
+            self._check_stop(request, token_id)
+            logprobs = [result.logprobs[i]] if result.logprobs is not None else None
+            deltas.append(RequestDelta(request.request_id, [token_id], request.finish_reason,
+                                       logprobs if request.sampling_params.logprobs is not None
+                                       else None, request.num_cached_tokens))
+            if request.finish_reason is not None:
+                self._finish(request)
+        self.check()
+        return deltas
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if ((not params.ignore_eos and token_id in self.eos_token_ids)
+                or (params.stop_token_ids and token_id in params.stop_token_ids)):
+            request.finish_reason = FINISH_STOP
+        elif (request.num_output_tokens >= params.max_tokens
+              or request.num_tokens >= self.max_model_len):
+            request.finish_reason = FINISH_LENGTH
+
+    def _finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = Status.FINISHED
+        self.forget_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        """Remove the requests at once, freeing their blocks; unknown ids are ignored."""
+        deltas = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == Status.RUNNING:
+                self.running.remove(request)
+                self.block_manager.free(request)
+                self.forget_ids.append(request_id)
+            else:
+                self.waiting.remove(request)
+                if request.on_worker:
+                    self.forget_ids.append(request_id)
+            request.status = Status.FINISHED
+            request.finish_reason = FINISH_ABORT
+            del self.requests[request_id]
+            deltas.append(RequestDelta(request_id, [], FINISH_ABORT))
+        return deltas
+
+    # --- invariant and stats ---------------------------------------------------------------
+
+    def check(self) -> None:
+        assert len(self.running) <= self.max_num_seqs, (len(self.running), self.max_num_seqs)
+        bs = self.block_manager.block_size
+        for r in self.running:
+            assert len(r.block_ids) * bs >= r.num_computed_tokens, r
+        assert all(not r.block_ids for r in self.waiting), "a waiting request holds blocks"
+        held = sum(len(r.block_ids) for r in self.running)
+        assert held == self.block_manager.total_refs, (held, self.block_manager.total_refs)
+        self.block_manager.check()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            kv_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.num_preemptions)

@@ -1,0 +1,138 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `chat(messages, params)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kvflow.config import make_engine_config
+from kvflow.core.validation import check_request
+from kvflow.frontend.engine_client import InProcessEngine
+from kvflow.frontend.model_files import resolve_model
+from kvflow.frontend.outputs import RequestOutput, RequestTracker
+from kvflow.frontend.tokenizer import Tokenizer
+from kvflow.ipc.messages import EngineRequest, EngineStats
+from kvflow.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs a model on a batch of prompts. Usable as a context manager."""
+
+    def __init__(self, model: str = "default", *, tensor_parallel_size: int = 1,
+                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 kv_cache_memory_gb: float | None = None, load_format: str = "safetensors",
+                 attention_backend: str = "auto", num_threads: int | None = None,
+                 in_process: bool = True) -> None:
+        path = resolve_model(model)
+        self.config = make_engine_config(
+            path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
+            load_format=load_format, attention_backend=attention_backend,
+            num_threads=num_threads)
+        self.tokenizer = Tokenizer(path)
+        self.engine: InProcessEngine | None = InProcessEngine(self.config)
+        self.last_stats = EngineStats()
+        self._ids = itertools.count()
+
+    # --- public API ------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. Every prompt is checked before any runs (ValueError)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = self._params_list(sampling_params, len(prompts))
+        trackers = [self._make_tracker(i, p, sp) for i, (p, sp) in
+                    enumerate(zip(prompts, params))]
+        return self._run(trackers, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered by the chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- internals -------------------------------------------------------------------------
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                     n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        return list(params)
+
+    def _make_tracker(self, index: int, prompt: Prompt, params: SamplingParams
+                      ) -> RequestTracker:
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params.validate()
+        error = check_request(token_ids, params, max_model_len=self.config.model.max_model_len,
+                              vocab_size=self.config.model.vocab_size,
+                              block_size=self.config.cache.block_size,
+                              num_blocks=self._engine().num_blocks)
+        if error is not None:
+            raise ValueError(f"prompt {index}: {error}")
+        output = RequestOutput(request_id=str(next(self._ids)), prompt=text,
+                               prompt_token_ids=token_ids)
+        return RequestTracker(output, params, self.tokenizer)
+
+    def _engine(self) -> InProcessEngine:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down")
+        return self.engine
+
+    def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self._engine()
+        now = time.time()
+        engine.add_requests([EngineRequest(t.output.request_id, t.output.prompt_token_ids,
+                                           t.params, now) for t in trackers])
+        live = {t.output.request_id: t for t in trackers}
+        bar = tqdm(total=len(trackers), disable=not use_tqdm or len(trackers) < 2,
+                   desc="Generating", unit="prompt", dynamic_ncols=True)
+        num_out_tokens, start = 0, time.perf_counter()
+        while live:
+            outputs = engine.step()
+            self.last_stats = outputs.stats
+            for delta in outputs.outputs:
+                tracker = live.get(delta.request_id)
+                if tracker is None:
+                    continue
+                num_out_tokens += len(delta.new_token_ids)
+                if tracker.apply(delta):
+                    if delta.finish_reason is None:       # a stop string ended it here
+                        engine.abort([delta.request_id])
+                    del live[delta.request_id]
+                    bar.update(1)
+            bar.set_postfix_str(f"{num_out_tokens / (time.perf_counter() - start):.1f} out tok/s",
+                                refresh=False)
+        bar.close()
+        # Drain the abort replies of stop-string requests so they don't leak into later calls.
+        while engine.has_work() and not engine.core.scheduler.has_unfinished():
+            engine.step()
+        return [t.output for t in trackers]

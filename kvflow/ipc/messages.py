@@ -1,0 +1,99 @@
+"""Every message that crosses a process boundary, as a msgspec Struct. No pickle on the wire.
+
+Hot-path structs (one per step) are array_like (encoded as arrays, no field names), omit
+defaults and skip the garbage collector's tracking.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.sampling_params import SamplingParams
+
+FINISH_STOP = "stop"        # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"    # max_tokens or max_model_len
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"      # the request was rejected; `error` says why
+
+
+class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# --- frontend -> EngineCore ---------------------------------------------------------------
+
+class EngineRequest(_Hot, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(_Hot, tag=True):
+    request_ids: list[str]
+
+
+# --- EngineCore -> frontend ---------------------------------------------------------------
+
+class RequestDelta(_Hot):
+    """What one step added to one request."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    # Per new token: token id -> logprob (top-k plus the sampled token).
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class EngineStats(_Hot):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0    # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0       # of those, tokens served from it
+    num_preemptions: int = 0
+
+
+class EngineOutputs(_Hot):
+    outputs: list[RequestDelta]
+    stats: EngineStats
+
+
+# --- EngineCore -> workers: the step plan, a diff against what the worker already knows ---
+
+class NewRequestData(_Hot):
+    """A request the worker has not seen, or one coming back after preemption (full state)."""
+    request_id: str
+    token_ids: list[int]             # prompt plus any tokens generated before a preemption
+    block_ids: list[int]
+    num_computed_tokens: int         # tokens whose KV is already in the cache (prefix hits)
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0       # generated tokens among token_ids (for seeded sampling)
+
+
+class CachedRequestData(_Hot):
+    """A request the worker knows: what was appended since the last plan."""
+    request_id: str
+    new_token_ids: list[int]         # tokens sampled since the last step
+    new_block_ids: list[int]
+
+
+class StepPlan(_Hot):
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # The batch, in order: which requests compute how many tokens this step.
+    scheduled_ids: list[str]
+    num_scheduled_tokens: list[int]
+    # Requests to forget before this step (finished, aborted or preempted).
+    finished_ids: list[str]
+
+
+class StepResult(_Hot):
+    """From rank 0: one sampled token per request that reached the end of its tokens."""
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+

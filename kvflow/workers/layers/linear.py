@@ -1,0 +1,117 @@
+"""Linear layers already shaped for tensor parallelism (Megatron style).
+
+Column-parallel layers split the output features across ranks (no communication); row-parallel
+layers split the input features and all-reduce the partial sums. Each parameter carries a
+`weight_loader(param, source, shard_id)` that reads only this rank's slice of the checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.workers.layers.parallel import TPGroup, full, narrow
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = tp.shard(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.load_shard  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.load_shard  # type: ignore[attr-defined]
+
+    def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        n = self.out_per_rank
+        param.data.copy_(narrow(source, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+
+    def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        assert isinstance(shard_id, int), shard_id
+        n = self.out_sizes[shard_id] // self.tp.size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, n).copy_(narrow(source, 0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split across ranks.
+
+    When tp_size > num_kv_heads each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPGroup) -> None:
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        elif tp.size % num_kv_heads == 0:
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        else:
+            raise ValueError(f"tensor_parallel_size={tp.size} cannot split "
+                             f"num_key_value_heads={num_kv_heads}")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out * tp.size, bias, tp)
+
+    def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp.rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, self.kv_head_start * d
+        param.data.narrow(0, offset, size).copy_(narrow(source, 0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.load_shard  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = load_full  # type: ignore[attr-defined]
+
+    def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+        n = self.in_per_rank
+        param.data.copy_(narrow(source, 1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        # The bias is added once, after the reduction, not once per rank.
+        return y if self.bias is None else y + self.bias
+
+
+def load_full(param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
+    """Replicated parameters (norms, biases after a reduction): every rank reads all of it."""
+    tensor = full(source)
+    assert param.shape == tensor.shape, (param.shape, tensor.shape)
+    param.data.copy_(tensor)

@@ -1,0 +1,148 @@
+"""Llama as plain modules (also the base of Qwen2 and Qwen3, which differ in two flags).
+
+Qwen2 adds a bias to q/k/v; Qwen3 adds an RMSNorm over each head of q and k before rotary.
+Tensor parallelism lives in the layers; this file reads like the paper.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.workers.layers.attention import Attention, AttentionMetadata
+from kvflow.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
+from kvflow.workers.layers.norm import RMSNorm
+from kvflow.workers.layers.parallel import TPGroup
+from kvflow.workers.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads", num_heads)
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads,
+                                          qkv_bias, tp)
+        self.num_heads = self.qkv_proj.num_heads             # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
+                                        cfg.get("attention_bias", False), tp)
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.get("max_position_embeddings", 4096))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5)
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)                          # [num_tokens, heads, head_dim]
+        return self.o_proj(o.view(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        bias = cfg.get("mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.self_attn = LlamaAttention(cfg, tp, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.mlp = LlamaMLP(cfg, tp)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, qk_norm)
+                                    for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)                      # [num_tokens, hidden]
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False      # Llama and Qwen3: only when config.attention_bias says so
+    qk_norm = False
+    # checkpoint name -> (our fused parameter, shard id)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: dict, tp: TPGroup) -> None:
+        super().__init__()
+        self.cfg = cfg
+        qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
+        self.model = LlamaModel(cfg, tp, qkv_bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
+        if cfg.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any] | None:
+        """Our parameter name and shard id for a checkpoint tensor (None: not ours to load)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.cfg.get("tie_word_embeddings", False):
+            return None
+        for ckpt, (ours, shard_id) in self.packed_modules.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{ours}."), shard_id
+        return name, None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}

@@ -1,0 +1,92 @@
+"""Sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Masks follow HF's warper order (temperature, top-k, top-p, min-p). A token is drawn as
+argmax(probs / E) with E ~ Exponential(1), which is an exact draw from `probs`; a seeded
+request draws its E from a generator seeded by (seed, output position), so its tokens do not
+depend on what else is in the batch, nor on preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    params: list[SamplingParams]
+    output_positions: list[int]        # index of the token being sampled in each output
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p exclude. logits: [batch, vocab]."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)         # [1, vocab]
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)                  # [batch, 1]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens above it already reach top_p (the top one always stays).
+    cum_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(cum_before >= top_p.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1],
+                                              float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch
+                 ) -> tuple[list[int], list[dict[int, float]] | None]:
+        """logits: [batch, vocab] float32 -> sampled ids and (if any asked) logprob dicts."""
+        params = batch.params
+        greedy = torch.tensor([p.greedy for p in params])
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            drawn = self._draw(logits, batch)
+            token_ids = torch.where(greedy, token_ids, drawn)
+        ids = token_ids.tolist()
+        return ids, self._logprobs(logits, params, ids)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        params = batch.params
+        temperature = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
+        logits = logits / temperature
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            logits = apply_top_k_top_p_min_p(
+                logits, torch.tensor([p.top_k for p in params]),
+                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+        probs = logits.softmax(dim=-1)                                     # [batch, vocab]
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(_mix(p.seed, batch.output_positions[i]))
+                noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                  ids: list[int]) -> list[dict[int, float]] | None:
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return None
+        logprobs = logits.log_softmax(dim=-1)                              # raw, unmasked
+        top_values, top_ids = logprobs.topk(max(k or 0 for k in wanted) or 1, dim=-1)
+        out = []
+        for i, k in enumerate(wanted):
+            entry = {} if k is None else dict(zip(top_ids[i, :k].tolist(),
+                                                  top_values[i, :k].tolist()))
+            entry[ids[i]] = float(logprobs[i, ids[i]])
+            out.append(entry)
+        return out
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position), different for every pair."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**63 - 1)

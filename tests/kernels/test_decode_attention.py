@@ -1,0 +1,94 @@
+import pytest
+import torch
+
+from kvflow.kernels.decode_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+
+# Outputs are compared in the kernel's dtype: one rounding of the result is one ulp (bf16 2**-8
+# relative, and the interpreter truncates instead of rounding, so up to 2**-7), plus float32
+# accumulation-order noise.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+BLOCK_SIZE = 16
+# Empty, single token, exactly one block, not multiples of the block size, several tiles.
+CONTEXT_LENS = [0, 1, 16, 23, 70]
+
+
+def _run(paged_kv, device, dtype, num_heads, num_kv_heads, head_dim, num_splits, context_lens=CONTEXT_LENS):
+    kv = paged_kv(context_lens, BLOCK_SIZE, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(context_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale,
+                                 num_splits=num_splits)
+    ref = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(paged_kv, device, dtype, num_heads, num_kv_heads, num_splits):
+    _run(paged_kv, device, dtype, num_heads, num_kv_heads, 64, num_splits)
+
+
+def test_decode_empty_context_gives_zeros(paged_kv, device):
+    for num_splits in (1, 4):
+        out = _run(paged_kv, device, torch.float32, 2, 1, 32, num_splits, context_lens=[0, 5])
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_decode_head_dims(paged_kv, device, head_dim):
+    # 128: the common size; 80: not a power of two, so the head_dim tile is masked.
+    _run(paged_kv, device, torch.bfloat16, 8, 1, head_dim, 2, context_lens=[33, 9])
+
+
+def test_decode_auto_splits(paged_kv, device):
+    _run(paged_kv, device, torch.float16, 9, 3, 64, None)
+
+
+def test_decode_more_splits_than_tiles(paged_kv, device):
+    # Most splits are empty: the merge must ignore them.
+    _run(paged_kv, device, torch.float32, 6, 3, 32, 8, context_lens=[3, 40])
+
+
+def test_decode_strided_q(paged_kv, device):
+    # q as a slice of a fused qkv projection output: rows strided, heads packed.
+    kv = paged_kv([20, 7], BLOCK_SIZE, 2, 32, torch.float32, device)
+    qkv = torch.randn(2, 6 + 2 * 2, 32, device=device)
+    q = qkv[:, :6]
+    assert not q.is_contiguous()
+    out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2, num_splits=2)
+    ref = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
+def test_choose_num_splits():
+    # Enough programs to fill the GPU, or short contexts: no split.
+    assert choose_num_splits(batch=128, num_kv_heads=8, max_context=32768, num_sms=132) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132) == 1
+    # One long request: split, bounded by the context length and by MAX_SPLITS.
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=1024, num_sms=132) == 4
+    assert choose_num_splits(batch=1, num_kv_heads=2, max_context=65536, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(batch=4, num_kv_heads=8, max_context=65536, num_sms=132) == 5
+
+
+def test_decode_rejects_bad_arguments(paged_kv, device):
+    kv = paged_kv([5], BLOCK_SIZE, 2, 32, torch.float32, device)
+    q = torch.randn(1, 4, 32, device=device)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables.long(), kv.context_lens, 1.0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_decode_attention(q[:, :3], kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 1.0)
+    strided_cache = kv.k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
+    with pytest.raises(ValueError, match="k_cache"):
+        paged_decode_attention(q, strided_cache, kv.v_cache, kv.block_tables, kv.context_lens, 1.0)
