@@ -1,0 +1,47 @@
+"""HF transformers as the correctness reference, and DESIGN.md §4's rule for logit ties."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    logprobs: list[torch.Tensor]        # per generated token: log_softmax over the vocab
+
+
+def hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[Reference]:
+    """Greedy continuations by HF transformers, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None      # we compare with ignore_eos=True
+    refs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        refs.append(Reference(out.sequences[0, len(prompt):].tolist(),
+                              [torch.log_softmax(l[0].float(), -1) for l in out.logits]))
+    return refs
+
+
+def assert_greedy_match(ours: list[int], our_logprobs: list[dict[int, float]],
+                        ref: Reference, top: int = 5) -> int:
+    """Tokens equal up to the first divergence; there each side's token must be in the other's
+    top-`top` (a tie within rounding). Returns the number of positions compared exactly."""
+    assert len(ours) == len(ref.token_ids), (len(ours), len(ref.token_ids))
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a == b:
+            continue
+        ref_top = ref.logprobs[i].topk(top).indices.tolist()
+        our_top = sorted(our_logprobs[i], key=our_logprobs[i].get, reverse=True)[:top]
+        assert a in ref_top and b in our_top, (
+            f"diverged at {i}: ours {a} (HF top-{top} {ref_top}), HF {b} (ours {our_top})")
+        return i
+    return len(ours)

@@ -1,0 +1,59 @@
+"""kvflow's greedy tokens and logprobs against HF transformers on the same weights (float32).
+
+All prompts run together in one kvflow batch (so batching, padding of the attention groups and
+mixed prefill/decode steps are exercised); HF runs them one at a time.
+"""
+from __future__ import annotations
+
+import pytest
+
+from hf_reference import assert_greedy_match, hf_greedy
+from kvflow import LLM, SamplingParams
+
+MAX_TOKENS = 32
+# Logprobs of the same float32 math differ only by summation order: measured ~1e-5.
+LOGPROB_ATOL = 2e-3
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "1, 2, 3, 5, 8, 13, 21,",
+    "Translate to French: I would like a cup of coffee, please.",
+    "<|im_start|>user\nName three primes.<|im_end|>\n<|im_start|>assistant\n",
+    "SELECT name, COUNT(*) FROM orders WHERE",
+    # A long prompt (~500 tokens): several prefill blocks, a long decode context.
+    " ".join(f"Item {i}: the {['red', 'green', 'blue', 'black'][i % 4]} box holds {i * 7} "
+             f"marbles." for i in range(45)) + " In total, the boxes hold",
+]
+
+
+def _check_against_hf(model_path: str, prompts: list[str], **llm_kwargs: object) -> None:
+    with LLM(model_path, dtype="float32", kv_cache_memory_gb=0.3, **llm_kwargs) as llm:
+        token_prompts = [llm.tokenizer.encode(p) for p in prompts]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                logprobs=5)
+        outs = llm.generate(token_prompts, params, use_tqdm=False)
+    refs = hf_greedy(model_path, token_prompts, MAX_TOKENS)
+    num_exact = 0
+    for out, ref in zip(outs, refs):
+        assert out.logprobs is not None
+        n = assert_greedy_match(out.token_ids, out.logprobs, ref)
+        num_exact += n
+        for i in range(n):
+            for token_id, logprob in out.logprobs[i].items():
+                assert logprob == pytest.approx(float(ref.logprobs[i][token_id]),
+                                                abs=LOGPROB_ATOL)
+    # The tie rule is for rare near-ties, not a way out: most tokens must match exactly.
+    assert num_exact >= 0.9 * len(prompts) * MAX_TOKENS, num_exact
+
+
+def test_default_model_matches_hf(default_model: str) -> None:
+    with LLM(default_model, kv_cache_memory_gb=0.1) as llm:
+        assert len(llm.tokenizer.encode(PROMPTS[-1])) > 450
+    _check_against_hf(default_model, PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_match_hf(tiny_models: dict[str, str], arch: str) -> None:
+    _check_against_hf(tiny_models[arch], PROMPTS)
