@@ -53,7 +53,8 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Validate the paged cache pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_contiguous("k_cache", k_cache)
     check_contiguous("v_cache", v_cache)

@@ -54,7 +54,6 @@ def _decode_kernel(
     batch_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split_idx = tl.program_id(2)
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     context_len = tl.load(context_lens_ptr + batch_idx)
     # Tile-aligned split ranges, so only the last tile of a split is partial.
     split_len = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
@@ -63,8 +62,9 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g  # [BLOCK_G] query heads served by this kv head
-    mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_G, BLOCK_D]
+    group = NUM_HEADS // NUM_KV_HEADS  # query heads per kv head (constexpr)
+    heads = kv_head * group + offs_g  # [BLOCK_G] query heads served by this kv head
+    mask_gd = (offs_g[:, None] < group) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_G, BLOCK_D]
     q_offs = batch_idx.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=mask_gd, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
 
@@ -92,7 +92,7 @@ def _decode_kernel(
         part_row = row * num_splits + split_idx
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_gd)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_G], log2 units
-        tl.store(part_lse_ptr + part_row, lse, mask=offs_g < GROUP)
+        tl.store(part_lse_ptr + part_row, lse, mask=offs_g < group)
     else:
         out_offs = row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_gd)

@@ -66,7 +66,8 @@ def _check_args(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
 ) -> None:
     if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q, k: expected 3-d [num_tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(
+            f"q, k: expected 3-d [num_tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}")
     num_tokens, _, head_dim = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"k: expected [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(k.shape)}")
@@ -80,7 +81,8 @@ def _check_args(
     check_dtype("cos_sin_cache", cos_sin_cache, FLOAT_DTYPES)
     rotary_dim = cos_sin_cache.shape[-1]
     if cos_sin_cache.dim() != 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"cos_sin_cache: expected [max_position, even rotary_dim <= {head_dim}], got {tuple(cos_sin_cache.shape)}")
+        raise ValueError(f"cos_sin_cache: expected [max_position, even rotary_dim <= {head_dim}], "
+                         f"got {tuple(cos_sin_cache.shape)}")
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         check_last_dim_contiguous(name, t)
     check_device(q, k, positions, cos_sin_cache)

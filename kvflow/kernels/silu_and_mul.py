@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels._common import FLOAT_DTYPES, block_dim, check_device, check_dtype, check_last_dim_contiguous
+from kvflow.kernels._common import (
+    FLOAT_DTYPES,
+    block_dim,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+)
 
 MAX_BLOCK = 1024  # columns per program; wider rows get more programs
 

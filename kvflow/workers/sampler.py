@@ -30,8 +30,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens above it already reach top_p (the top one always stays).
+    # top_p = 1 is "off": the float32 cumsum can round up to 1 before the tail, so skip it.
     cum_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(cum_before >= top_p.unsqueeze(1), float("-inf"))
+    drop = (cum_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     sorted_logits = sorted_logits.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1],
                                               float("-inf"))

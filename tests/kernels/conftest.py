@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)  # every test draws the same inputs, run alone or in the suite
+
+
 @pytest.fixture
 def device() -> str:
     return DEVICE

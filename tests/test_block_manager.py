@@ -1,0 +1,280 @@
+"""BlockManager: hash chaining, prefix-cache lookups, reference counts, LRU eviction.
+
+Block size 4 throughout, so block i of a request holds tokens [4*i, 4*i + 4).
+"""
+from __future__ import annotations
+
+from kvflow.core.block_manager import BlockManager
+from kvflow.core.request import Request
+from kvflow.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+SALT = b"0123456789abcdef"
+
+
+def make_bm(num_blocks: int, prefix_caching: bool = True, salt: bytes = SALT) -> BlockManager:
+    return BlockManager(num_blocks, BLOCK_SIZE, prefix_caching, salt=salt)
+
+
+def make_request(token_ids: list[int], request_id: str = "r") -> Request:
+    return Request(request_id, token_ids, SamplingParams())
+
+
+def hashes_of(bm: BlockManager, token_ids: list[int]) -> list[bytes]:
+    request = make_request(token_ids)
+    bm.hash_full_blocks(request)
+    return request.block_hashes
+
+
+def admit_and_compute(bm: BlockManager, request: Request) -> None:
+    """What the scheduler does for a waiting request given its whole prompt in one step:
+    take the prefix hits, allocate the rest, mark everything computed, register the blocks."""
+    cached = bm.find_cached_blocks(request)
+    num_cached = len(cached) * BLOCK_SIZE
+    assert bm.allocate(request, request.num_tokens - num_cached, cached)
+    request.num_computed_tokens = request.num_tokens
+    bm.cache_computed_blocks(request)
+
+
+def num_hits(bm: BlockManager, token_ids: list[int]) -> int:
+    return len(bm.find_cached_blocks(make_request(token_ids)))
+
+
+def first_blocks(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """Block ids registered for each full block of `tokens` (looked up by hash)."""
+    return [bm.hash_to_block[h] for h in hashes_of(bm, tokens)]
+
+
+def assert_all_free(bm: BlockManager) -> None:
+    assert bm.total_refs == 0
+    assert bm.ref_counts == [0] * bm.num_blocks
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check()
+
+
+# --- hashing -----------------------------------------------------------------------------
+
+def test_same_tokens_give_same_hashes_and_only_full_blocks_are_hashed() -> None:
+    bm = make_bm(8)
+    tokens = list(range(10, 20))                       # 2 full blocks + 2 tokens
+    first, second = hashes_of(bm, tokens), hashes_of(bm, tokens)
+    assert len(first) == 2
+    assert first == second
+    assert first[0] != first[1]
+    # Appending tokens extends the chain without changing the existing hashes.
+    assert hashes_of(bm, tokens + [20, 21])[:2] == first
+    assert len(hashes_of(bm, tokens + [20, 21])) == 3
+
+
+def test_changing_an_earlier_block_changes_every_later_hash() -> None:
+    bm = make_bm(8)
+    tokens = list(range(100, 116))                     # 4 full blocks
+    base = hashes_of(bm, tokens)
+    changed = list(tokens)
+    changed[5] = 999                                   # inside block 1
+    other = hashes_of(bm, changed)
+    assert other[0] == base[0]
+    # Blocks 2 and 3 have identical tokens, but their parent differs: the chain must show it.
+    assert all(other[i] != base[i] for i in (1, 2, 3))
+
+
+def test_salt_changes_every_hash() -> None:
+    tokens = list(range(12))
+    a = hashes_of(make_bm(8, salt=SALT), tokens)
+    b = hashes_of(make_bm(8, salt=b"fedcba9876543210"), tokens)
+    assert len(a) == len(b) == 3
+    assert all(x != y for x, y in zip(a, b))
+
+
+# --- lookups -----------------------------------------------------------------------------
+
+def test_lookup_never_covers_the_last_token() -> None:
+    bm = make_bm(8)
+    tokens = list(range(50, 58))                       # exactly 2 full blocks
+    first = make_request(tokens, "a")
+    admit_and_compute(bm, first)
+    bm.free(first)
+    # Same 8 tokens: the second block holds the last token, so only block 0 may be reused.
+    assert bm.find_cached_blocks(make_request(tokens)) == first_blocks(bm, tokens)[:1]
+    # One more token: now both full blocks precede the last token.
+    assert num_hits(bm, tokens + [7]) == 2
+    # A prompt shorter than one block plus one token gets nothing.
+    assert num_hits(bm, tokens[:4]) == 0
+    assert num_hits(bm, tokens[:5]) == 1
+
+
+def test_lookup_stops_at_the_first_miss() -> None:
+    bm = make_bm(8)
+    tokens = list(range(12)) + [99]
+    admit_and_compute(bm, make_request(tokens, "a"))
+    changed = list(tokens)
+    changed[2] = 77                                    # block 0 differs
+    assert num_hits(bm, changed) == 0
+    changed = list(tokens)
+    changed[6] = 77                                    # block 1 differs: block 2 can't match
+    assert num_hits(bm, changed) == 1
+
+
+def test_shared_blocks_are_reference_counted() -> None:
+    bm = make_bm(8)
+    a = make_request(list(range(9)), "a")              # 3 blocks, 2 of them full
+    admit_and_compute(bm, a)
+    b = make_request(list(range(8)) + [40, 41, 42], "b")
+    admit_and_compute(bm, b)
+    assert b.block_ids[:2] == a.block_ids[:2]          # both full blocks reused
+    assert b.block_ids[2] != a.block_ids[2]
+    assert [bm.ref_counts[x] for x in a.block_ids] == [2, 2, 1]
+    assert bm.ref_counts[b.block_ids[2]] == 1
+    assert bm.total_refs == 6
+    assert bm.num_free_blocks == 8 - 4
+    bm.free(a)
+    # The shared blocks are still held by b: not free, not evictable.
+    assert [bm.ref_counts[x] for x in b.block_ids] == [1, 1, 1]
+    assert bm.total_refs == 3
+    assert bm.num_free_blocks == 8 - 3
+    assert all(x not in bm.free_blocks for x in b.block_ids)
+    bm.free(b)
+    assert_all_free(bm)
+
+
+# --- eviction ----------------------------------------------------------------------------
+
+def test_eviction_is_lru_and_a_sequences_tail_goes_before_its_head() -> None:
+    bm = make_bm(6)
+    a_tokens, b_tokens = list(range(12)), list(range(200, 212))
+    a, b = make_request(a_tokens, "a"), make_request(b_tokens, "b")
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    assert bm.num_free_blocks == 0
+    bm.free(a)                                         # a freed first: evicted first
+    bm.free(b)
+    a_blocks = first_blocks(bm, a_tokens)
+    b_blocks = first_blocks(bm, b_tokens)
+    assert list(bm.free_blocks) == a_blocks[::-1] + b_blocks[::-1]
+
+    # Take one block at a time and watch which prefix survives: a's tail goes first.
+    c = make_request(list(range(500, 524)), "c")
+    lookups = []
+    for n in range(1, 7):
+        assert bm.allocate(c, BLOCK_SIZE)
+        c.num_computed_tokens += BLOCK_SIZE
+        lookups.append((num_hits(bm, a_tokens + [1]), num_hits(bm, b_tokens + [1])))
+    assert c.block_ids == a_blocks[::-1] + b_blocks[::-1]
+    assert lookups == [(2, 3), (1, 3), (0, 3), (0, 2), (0, 1), (0, 0)]
+
+
+def test_a_reused_prefix_becomes_most_recently_used() -> None:
+    bm = make_bm(6)
+    a_tokens, b_tokens = list(range(12)), list(range(200, 212))
+    a, b = make_request(a_tokens, "a"), make_request(b_tokens, "b")
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    bm.free(a)
+    bm.free(b)
+    a_blocks, b_blocks = first_blocks(bm, a_tokens), first_blocks(bm, b_tokens)
+    assert list(bm.free_blocks) == a_blocks[::-1] + b_blocks[::-1]
+    # d reuses a's first two blocks (its third block evicts a's tail), then is freed:
+    # a's head is now the most recently freed, b the least.
+    d = make_request(a_tokens[:8] + [1], "d")
+    admit_and_compute(bm, d)
+    assert d.block_ids == a_blocks
+    bm.free(d)
+    assert list(bm.free_blocks) == b_blocks[::-1] + a_blocks[::-1]
+    # 3 new blocks evict all of b although b was freed after a.
+    e = make_request(list(range(700, 712)), "e")
+    assert bm.allocate(e, 12)
+    assert num_hits(bm, a_tokens + [1]) == 2
+    assert num_hits(bm, b_tokens + [1]) == 0
+
+
+# --- allocation --------------------------------------------------------------------------
+
+def test_allocate_counts_exact_blocks_for_a_growing_request() -> None:
+    bm = make_bm(8)
+    r = make_request(list(range(5)))
+    assert bm.allocate(r, 5)
+    assert len(r.block_ids) == 2
+    r.num_computed_tokens = 5
+    assert bm.allocate(r, 3)                           # 8 tokens: still 2 blocks
+    assert len(r.block_ids) == 2
+    r.num_computed_tokens = 8
+    assert bm.allocate(r, 1)                           # token 9 needs block 3
+    assert len(r.block_ids) == 3
+    assert bm.num_free_blocks == 5
+    assert bm.total_refs == 3
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    return (list(bm.ref_counts), list(bm.free_blocks), bm.total_refs, dict(bm.hash_to_block),
+            list(bm.block_hashes))
+
+
+def test_allocate_fails_without_side_effects() -> None:
+    bm = make_bm(4)
+    a = make_request(list(range(12)), "a")
+    assert bm.allocate(a, 12)                          # 3 of 4 blocks
+    b = make_request(list(range(100, 105)), "b")
+    before = snapshot(bm)
+    assert not bm.allocate(b, 5)                       # needs 2, 1 free
+    assert snapshot(bm) == before
+    assert b.block_ids == []
+    assert bm.allocate(b, 4)                           # 1 block fits exactly
+    assert bm.num_free_blocks == 0
+
+
+def test_allocate_counts_free_cached_blocks_as_taken() -> None:
+    # Prefix hits that sit in the free list use up free blocks too: the fit is exact.
+    bm = make_bm(4)
+    prefix = list(range(8))
+    a = make_request(prefix + [9], "a")
+    admit_and_compute(bm, a)
+    bm.free(a)                                         # 4 free blocks, 2 of them cached
+    too_big = make_request(prefix + list(range(30, 39)), "big")     # 17 tokens = 5 blocks
+    cached = bm.find_cached_blocks(too_big)
+    assert len(cached) == 2
+    before = snapshot(bm)
+    assert not bm.allocate(too_big, too_big.num_tokens - 8, cached)
+    assert snapshot(bm) == before
+    assert too_big.block_ids == []
+    fits = make_request(prefix + list(range(30, 35)), "fits")      # 13 tokens = 4 blocks
+    cached = bm.find_cached_blocks(fits)
+    assert bm.allocate(fits, fits.num_tokens - 8, cached)
+    assert fits.block_ids[:2] == cached
+    assert len(set(fits.block_ids)) == 4
+    assert bm.num_free_blocks == 0
+    assert bm.total_refs == 4
+
+
+def test_reference_counts_return_to_zero() -> None:
+    bm = make_bm(16)
+    prefix = list(range(8))
+    requests = [make_request(prefix + [i] * (i + 1), f"r{i}") for i in range(5)]
+    for r in requests:
+        admit_and_compute(bm, r)
+    # Grow two of them by a decode step each.
+    for r in requests[:2]:
+        r.token_ids.append(3)
+        assert bm.allocate(r, 1)
+        r.num_computed_tokens += 1
+        bm.cache_computed_blocks(r)
+    assert bm.ref_counts[requests[0].block_ids[0]] == 5   # the shared prefix block
+    assert bm.total_refs == sum(len(r.block_ids) for r in requests)
+    bm.check()
+    for r in requests[::2] + requests[1::2]:           # free in a mixed order
+        bm.free(r)
+    assert_all_free(bm)
+
+
+def test_prefix_caching_disabled_gives_no_hits() -> None:
+    bm = make_bm(8, prefix_caching=False)
+    tokens = list(range(13))
+    a = make_request(tokens, "a")
+    admit_and_compute(bm, a)
+    assert bm.hash_to_block == {}
+    bm.free(a)
+    assert bm.find_cached_blocks(make_request(tokens)) == []
+    b = make_request(tokens, "b")
+    admit_and_compute(bm, b)
+    assert b.num_computed_tokens == 13 and len(b.block_ids) == 4
+    bm.free(b)
+    assert_all_free(bm)
