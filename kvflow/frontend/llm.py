@@ -48,11 +48,11 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. Every prompt is checked before any runs (ValueError)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params = self._params_list(sampling_params, len(prompts))
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore
+        params = self._params_list(sampling_params, len(batch))
         trackers = [self._make_tracker(i, p, sp) for i, (p, sp) in
-                    enumerate(zip(prompts, params))]
+                    enumerate(zip(batch, params))]
         return self._run(trackers, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -1,8 +1,11 @@
 """Paged attention in plain torch: the CPU path and the reference for the other backends.
 
 The batch's requests are split into groups of similar query length (decodes, prefills), so
-padding stays small; within a group every request's query rows and KV slots are gathered into
-padded [batch, len] index tensors, built once per step and shared by every layer.
+padding stays small; within a group every request's query rows and KV slots are gathered with
+flat index tensors built once per step and shared by every layer. Per KV head, q·kᵀ and p·v are
+bmm calls on contiguous gathered tensors. For that the torch path keeps its cache head-major,
+`[num_kv_heads, num_slots, head_dim]` per layer (slot = block_id * block_size + offset): one
+index_select per layer gathers every head's K rows contiguously, with no transposed copies.
 """
 from __future__ import annotations
 
@@ -13,37 +16,44 @@ import torch
 
 @dataclass(frozen=True)
 class TorchAttnGroup:
-    q_index: torch.Tensor       # [batch, max_q] rows of the packed query (padding -> row 0)
-    kv_index: torch.Tensor      # [batch, max_kv] cache slots (padding -> slot 0)
-    mask: torch.Tensor          # [batch, 1, 1, max_q, max_kv] True where attention is allowed
+    batch: int
+    max_q: int
+    max_kv: int
+    q_index: torch.Tensor       # [batch * max_q] packed query rows (padding -> row 0)
+    kv_index: torch.Tensor      # [batch * max_kv] cache slots (padding -> slot 0)
+    bias: torch.Tensor          # [batch, max_q, 1, max_kv] float32: 0 allowed, -inf masked
     valid: torch.Tensor         # [batch * max_q] True for real (not padded) query rows
     out_rows: torch.Tensor      # [num_valid] packed rows the valid outputs go to
 
 
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                head_dim: int) -> tuple[int, ...]:
+    return (num_kv_heads, num_blocks * block_size, head_dim)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new K/V rows into the paged cache. key/value: [num_tokens, num_kv_heads, head_dim]."""
-    num_kv_heads, head_dim = key.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Write new K/V rows into the cache. key/value: [num_tokens, num_kv_heads, head_dim]."""
+    k_cache.index_copy_(1, slot_mapping, key.transpose(0, 1))
+    v_cache.index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     group: TorchAttnGroup, scale: float, out: torch.Tensor) -> None:
     """Attention for one group; writes its rows of `out` ([num_tokens, num_heads, head_dim])."""
-    batch, max_q = group.q_index.shape
+    b, max_q, max_kv = group.batch, group.max_q, group.max_kv
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[0]
     g = num_heads // num_kv_heads
-    qg = q[group.q_index].view(batch, max_q, num_kv_heads, g, head_dim)
-    qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, g * max_q, head_dim)
-    k = k_cache.view(-1, num_kv_heads, head_dim)[group.kv_index]   # [batch, kv, kv_heads, d]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[group.kv_index]
-    k, v = k.transpose(1, 2), v.transpose(1, 2)                      # [batch, kv_heads, kv, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [batch, kv_heads, g*q, kv]
-    scores = scores.view(batch, num_kv_heads, g, max_q, -1)
-    scores.masked_fill_(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, num_kv_heads, g * max_q, -1)
-    o = torch.matmul(probs, v).view(batch, num_kv_heads, g, max_q, head_dim)
-    o = o.permute(0, 3, 1, 2, 4).reshape(batch * max_q, num_heads, head_dim)
+    k = k_cache.index_select(1, group.kv_index).view(num_kv_heads, b, max_kv, head_dim)
+    v = v_cache.index_select(1, group.kv_index).view(num_kv_heads, b, max_kv, head_dim)
+    qg = q.index_select(0, group.q_index).view(b, max_q, num_kv_heads, g, head_dim)
+    heads = []
+    for h in range(num_kv_heads):
+        qh = qg[:, :, h].reshape(b, max_q * g, head_dim)
+        scores = torch.bmm(qh, k[h].transpose(1, 2)).float()   # [b, max_q * g, max_kv]
+        scores = scores.view(b, max_q, g, max_kv).mul_(scale).add_(group.bias)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, max_q * g, max_kv)
+        heads.append(torch.bmm(probs, v[h]).view(b, max_q, g, head_dim))
+    o = torch.stack(heads, dim=2).view(b * max_q, num_heads, head_dim)
     out[group.out_rows] = o[group.valid]

@@ -96,7 +96,9 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        decodes, prefills = [], []        # (first packed row, q_len, context_len, block_ids)
+        # (first packed row, q_len, context_len, block_ids) of each request, by group
+        decodes: list[tuple[int, int, int, np.ndarray]] = []
+        prefills: list[tuple[int, int, int, np.ndarray]] = []
         logits_rows, sampled_ids, params, out_pos = [], [], [], []
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
@@ -141,9 +143,10 @@ class ModelRunner:
             mask[i, :q_len] = kv_pos[None, :] <= q_pos[:, None]
             mask[i, q_len:, 0] = True     # padded query rows see one slot: no NaN rows
         valid = q_valid.ravel()
+        bias = np.where(mask, 0.0, -np.inf).astype(np.float32)[:, :, None, :]
         return TorchAttnGroup(
-            self._tensor(q_index), self._tensor(kv_index),
-            self._tensor(mask[:, None, None]), self._tensor(valid),
+            len(members), max_q, max_kv, self._tensor(q_index.ravel()),
+            self._tensor(kv_index.ravel()), self._tensor(bias), self._tensor(valid),
             self._tensor(q_index.ravel()[valid]))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

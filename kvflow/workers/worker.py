@@ -6,6 +6,7 @@ import logging
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.kernels.torch_attention import cache_shape
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers.layers.attention import Attention
 from kvflow.workers.layers.parallel import TPGroup
@@ -55,7 +56,7 @@ class Worker:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_gb={self.config.cache.kv_cache_memory_gb} holds "
                              f"no KV block ({bytes_per_block} bytes each)")
-        shape = (2, len(layers), num_blocks, bs, a.num_kv_heads, a.head_dim)
+        shape = (2, len(layers)) + cache_shape(num_blocks, bs, a.num_kv_heads, a.head_dim)
         # Zeroed: padded attention slots are masked, but 0 * NaN garbage would still be NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):

@@ -39,6 +39,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocab slice, gathered on rank 0 (where sampling happens)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)           # [num_tokens, vocab_per_rank]
-        logits = self.tp.gather_last_dim(logits)
+        local = F.linear(hidden, self.weight)            # [num_tokens, vocab_per_rank]
+        logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, :self.vocab_size]

@@ -27,6 +27,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(hf_config, head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                 # [max_position, head_dim]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
