@@ -1,9 +1,31 @@
-"""The frontend's handle on an engine. In-process: EngineCore and one worker called directly
-(same code paths as the cluster, minus the sockets), for debugging and fast tests."""
+"""The frontend's handle on an engine: the same small interface for both modes.
+
+- `MultiprocEngine`: EngineCore (which spawns one worker per rank) in a child process, over
+  ZMQ; the frontend watches the child's sentinel, so a dead engine surfaces as
+  EngineDeadError instead of a hang.
+- `InProcessEngine`: EngineCore and one worker called directly (same code paths, no sockets),
+  for debugging and fast tests.
+"""
 from __future__ import annotations
 
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import zmq
+
 from kvflow.config import EngineConfig
-from kvflow.ipc.messages import EngineOutputs, EngineRequest
+from kvflow.errors import EngineDeadError
+from kvflow.ipc.messages import (Abort, ChildFailed, EngineOutputs, EngineReady, EngineRequest,
+                                 FromEngine, Shutdown, ToEngine, UtilityCall, UtilityResult)
+from kvflow.ipc.process import Child
+from kvflow.ipc.sockets import Channel, ipc_address, make_socket
+
+logger = logging.getLogger(__name__)
 
 
 class InProcessEngine:
@@ -25,12 +47,116 @@ class InProcessEngine:
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort(request_ids)
 
-    def step(self) -> EngineOutputs:
+    def get_outputs(self, timeout: float | None = None) -> EngineOutputs | None:
+        """Run one step (in-process there is nothing to wait for)."""
         return self.core.step()
 
-    def has_work(self) -> bool:
-        return self.core.has_work()
+    def utility(self, method: str) -> dict[str, float]:
+        if method == "reset_prefix_cache":
+            self.core.block_manager.reset_prefix_cache()
+            return {}
+        raise ValueError(f"unknown utility method {method!r}")
 
     def shutdown(self) -> None:
-        self.core = None  # type: ignore[assignment]
-        self.worker = None  # type: ignore[assignment]
+        pass
+
+
+class MultiprocEngine:
+    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+        self.ctx = zmq.Context()
+        self.run_dir = tempfile.mkdtemp(prefix="kvflow-")
+        input_address = ipc_address("input", self.run_dir)
+        output_address = ipc_address("output", self.run_dir)
+        self.input = Channel[ToEngine](make_socket(self.ctx, zmq.PUSH, input_address, True),
+                                       ToEngine)
+        self.output = Channel[FromEngine](make_socket(self.ctx, zmq.PULL, output_address, True),
+                                          FromEngine)
+        self.proc = Child("kvflow.core.engine_proc", "EngineCore", config, [
+            "--input-address", input_address, "--output-address", output_address,
+            "--startup-timeout", str(startup_timeout),
+            "--log-level", str(logging.getLogger().level)])
+        self.dead: str | None = None
+        self._calls = itertools.count()
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx, self.run_dir)
+        ready = self._wait_ready(time.monotonic() + startup_timeout)
+        self.num_blocks = ready.num_blocks
+
+    def _wait_ready(self, deadline: float) -> EngineReady:
+        while True:
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, EngineReady):
+                return msg
+            if msg is None and time.monotonic() >= deadline:
+                self.shutdown()
+                raise RuntimeError("the engine did not start in time")
+
+    def _recv(self, timeout: float | None) -> object:
+        """The next engine message, or None on timeout; raises EngineDeadError if it died."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        poller = zmq.Poller()
+        poller.register(self.output.sock, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        ready = dict(poller.poll(None if timeout is None else int(timeout * 1000)))
+        if self.output.sock in ready:
+            msg = self.output.recv()
+            if isinstance(msg, ChildFailed):
+                self._die(f"{msg.who} failed: {msg.error}")
+            return msg
+        if self.proc.sentinel in ready:
+            self._die(f"EngineCore (pid {self.proc.pid}) died with exit code "
+                      f"{self.proc.exitcode}")
+        return None
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        self.shutdown()
+        raise EngineDeadError(reason)
+
+    def add_requests(self, requests: list[EngineRequest]) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        for request in requests:
+            self.input.send(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.dead is None:
+            self.input.send(Abort(request_ids))
+
+    def get_outputs(self, timeout: float | None = None) -> EngineOutputs | None:
+        msg = self._recv(timeout)
+        return msg if isinstance(msg, EngineOutputs) else None
+
+    def utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Call a utility method in EngineCore; outputs that arrive meanwhile are dropped, so
+        call it only when no request is running."""
+        call_id = next(self._calls)
+        self.input.send(UtilityCall(call_id, method))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._recv(deadline - time.monotonic())
+            if isinstance(msg, UtilityResult) and msg.call_id == call_id:
+                if msg.error:
+                    raise ValueError(msg.error)
+                return msg.result
+        raise TimeoutError(f"utility call {method!r} got no answer")
+
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            try:
+                self.input.send(Shutdown())
+            except zmq.ZMQError:
+                pass
+        self._finalizer()
+
+
+def _stop(proc: Child, ctx: zmq.Context, run_dir: str) -> None:
+    """Stop EngineCore (it stops its workers): closing our pipe end tells it we are gone;
+    wait, then kill. Also runs at garbage collection and interpreter exit."""
+    proc.stop(5)
+    ctx.destroy(linger=0)
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from kvflow.config import make_engine_config
 from kvflow.core.validation import check_request
-from kvflow.frontend.engine_client import InProcessEngine
+from kvflow.frontend.engine_client import InProcessEngine, MultiprocEngine
 from kvflow.frontend.model_files import resolve_model
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.tokenizer import Tokenizer
@@ -20,7 +20,11 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Runs a model on a batch of prompts. Usable as a context manager."""
+    """Runs a model on a batch of prompts. Usable as a context manager.
+
+    By default EngineCore and its workers run as child processes (the same cluster as
+    `launch.py serve`); `in_process=True` runs them in this process, for debugging and tests.
+    """
 
     def __init__(self, model: str = "default", *, tensor_parallel_size: int = 1,
                  dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
@@ -28,7 +32,7 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_memory_gb: float | None = None, load_format: str = "safetensors",
                  attention_backend: str = "auto", num_threads: int | None = None,
-                 in_process: bool = True) -> None:
+                 in_process: bool = False) -> None:
         path = resolve_model(model)
         self.config = make_engine_config(
             path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
@@ -38,7 +42,8 @@ class LLM:
             load_format=load_format, attention_backend=attention_backend,
             num_threads=num_threads)
         self.tokenizer = Tokenizer(path)
-        self.engine: InProcessEngine | None = InProcessEngine(self.config)
+        self.engine: InProcessEngine | MultiprocEngine | None = (
+            InProcessEngine(self.config) if in_process else MultiprocEngine(self.config))
         self.last_stats = EngineStats()
         self._ids = itertools.count()
 
@@ -102,7 +107,7 @@ class LLM:
                                prompt_token_ids=token_ids)
         return RequestTracker(output, params, self.tokenizer)
 
-    def _engine(self) -> InProcessEngine:
+    def _engine(self) -> InProcessEngine | MultiprocEngine:
         if self.engine is None:
             raise RuntimeError("this LLM was shut down")
         return self.engine
@@ -117,7 +122,9 @@ class LLM:
                    desc="Generating", unit="prompt", dynamic_ncols=True)
         num_out_tokens, start = 0, time.perf_counter()
         while live:
-            outputs = engine.step()
+            outputs = engine.get_outputs()
+            if outputs is None:
+                continue
             self.last_stats = outputs.stats
             for delta in outputs.outputs:
                 tracker = live.get(delta.request_id)
@@ -132,7 +139,4 @@ class LLM:
             bar.set_postfix_str(f"{num_out_tokens / (time.perf_counter() - start):.1f} out tok/s",
                                 refresh=False)
         bar.close()
-        # Drain the abort replies of stop-string requests so they don't leak into later calls.
-        while engine.has_work() and not engine.core.scheduler.has_unfinished():
-            engine.step()
         return [t.output for t in trackers]

@@ -56,7 +56,7 @@ class EngineStats(_Hot):
     num_preemptions: int = 0
 
 
-class EngineOutputs(_Hot):
+class EngineOutputs(_Hot, tag=True):
     outputs: list[RequestDelta]
     stats: EngineStats
 
@@ -80,7 +80,7 @@ class CachedRequestData(_Hot):
     new_block_ids: list[int]
 
 
-class StepPlan(_Hot):
+class StepPlan(_Hot, tag=True):
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
     # The batch, in order: which requests compute how many tokens this step.
@@ -90,10 +90,116 @@ class StepPlan(_Hot):
     finished_ids: list[str]
 
 
-class StepResult(_Hot):
+class StepResult(_Hot, tag=True):
     """From rank 0: one sampled token per request that reached the end of its tokens."""
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    worker_seconds: float = 0.0      # time inside the worker, to measure IPC overhead
 
+
+# --- control messages ---------------------------------------------------------------------
+
+class _Control(msgspec.Struct, tag=True, omit_defaults=True, array_like=True):
+    pass
+
+
+class WorkerReady(_Control):
+    """A worker loaded its shard and allocated its cache."""
+    rank: int
+    num_blocks: int
+
+
+class Ping(_Control):
+    """EngineCore -> workers until every rank answers Pong: no plan is lost to a slow SUB."""
+    seq: int
+
+
+class Pong(_Control):
+    rank: int
+    seq: int
+
+
+class EngineReady(_Control):
+    """EngineCore -> frontend: every process is up; requests are accepted from now on."""
+    num_blocks: int
+    block_size: int
+    num_workers: int
+
+
+class ChildFailed(_Control):
+    """A child process failed (at start-up or later); `error` is its message/traceback."""
+    who: str
+    error: str
+
+
+class Shutdown(_Control):
+    pass
+
+
+class UtilityCall(_Control):
+    """Frontend -> EngineCore: reset_prefix_cache or timings; answered by UtilityResult."""
+    call_id: int
+    method: str
+
+
+class UtilityResult(_Control):
+    call_id: int
+    result: dict[str, float] = {}
+    error: str | None = None
+
+
+# What each receiver accepts (a tagged union per socket direction).
+ToEngine = EngineRequest | Abort | UtilityCall | Shutdown
+FromEngine = EngineOutputs | EngineReady | ChildFailed | UtilityResult
+ToWorker = StepPlan | Ping | Shutdown
+FromWorker = StepResult | WorkerReady | Pong | ChildFailed
+
+
+
+# --- client library <-> server (launch.py serve) -----------------------------------------
+
+class ClientRequest(_Control):
+    """A prompt as text, token ids or chat messages. sampling_params stays raw until the
+    server validates it, so a bad value gets an error reply instead of a dropped message."""
+    request_id: str
+    sampling_params: msgspec.Raw
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    stream: bool = False
+
+
+class ClientAbort(_Control):
+    request_id: str
+
+
+class ClientStatsRequest(_Control):
+    request_id: str
+
+
+ERROR_INVALID = "invalid"          # the request was rejected (ValueError on the client)
+ERROR_ENGINE_DEAD = "engine_dead"  # EngineDeadError on the client
+
+
+class ClientOutput(_Control):
+    """News of one request: new text and tokens (deltas when streaming, else the whole)."""
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    prompt_token_ids: list[int] | None = None
+    error: str | None = None
+    error_kind: str | None = None
+
+
+class ClientStats(_Control):
+    request_id: str
+    stats: EngineStats
+
+
+ToServer = ClientRequest | ClientAbort | ClientStatsRequest
+FromServer = ClientOutput | ClientStats

@@ -4,8 +4,9 @@ The batch's requests are split into groups of similar query length (decodes, pre
 padding stays small; within a group every request's query rows and KV slots are gathered with
 flat index tensors built once per step and shared by every layer. Per KV head, q·kᵀ and p·v are
 bmm calls on contiguous gathered tensors. For that the torch path keeps its cache head-major,
-`[num_kv_heads, num_slots, head_dim]` per layer (slot = block_id * block_size + offset): one
-index_select per layer gathers every head's K rows contiguously, with no transposed copies.
+`[num_kv_heads, num_blocks * block_size, head_dim]` per layer (slot = block_id * block_size +
+offset): one index_select of whole blocks per layer gathers every head's K contiguously, into
+scratch buffers allocated once per step (fresh large allocations cost page faults on CPU).
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ class TorchAttnGroup:
     max_q: int
     max_kv: int
     q_index: torch.Tensor       # [batch * max_q] packed query rows (padding -> row 0)
-    kv_index: torch.Tensor      # [batch * max_kv] cache slots (padding -> slot 0)
+    block_index: torch.Tensor   # [batch * max_kv / block_size] block tables (padding -> 0)
     bias: torch.Tensor          # [batch, max_q, 1, max_kv] float32: 0 allowed, -inf masked
     valid: torch.Tensor         # [batch * max_q] True for real (not padded) query rows
     out_rows: torch.Tensor      # [num_valid] packed rows the valid outputs go to
+    k_buf: torch.Tensor         # [num_kv_heads, batch * max_kv / block_size, block_size * d]
+    v_buf: torch.Tensor         #   scratch for the gathered K and V, reused by every layer
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -45,8 +48,14 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[0]
     g = num_heads // num_kv_heads
-    k = k_cache.index_select(1, group.kv_index).view(num_kv_heads, b, max_kv, head_dim)
-    v = v_cache.index_select(1, group.kv_index).view(num_kv_heads, b, max_kv, head_dim)
+    num_blocks = group.block_index.shape[0]
+    torch.index_select(k_cache.view(num_kv_heads, -1, group.k_buf.shape[-1]), 1,
+                       group.block_index, out=group.k_buf)
+    torch.index_select(v_cache.view(num_kv_heads, -1, group.v_buf.shape[-1]), 1,
+                       group.block_index, out=group.v_buf)
+    assert num_blocks * group.k_buf.shape[-1] == b * max_kv * head_dim, (num_blocks, b, max_kv)
+    k = group.k_buf.view(num_kv_heads, b, max_kv, head_dim)
+    v = group.v_buf.view(num_kv_heads, b, max_kv, head_dim)
     qg = q.index_select(0, group.q_index).view(b, max_q, num_kv_heads, g, head_dim)
     heads = []
     for h in range(num_kv_heads):

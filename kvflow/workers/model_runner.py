@@ -49,8 +49,11 @@ class StepTimes:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, sampler: Sampler,
-                 is_driver: bool, device: torch.device) -> None:
+                 is_driver: bool, device: torch.device, dtype: torch.dtype,
+                 kv_shape: tuple[int, int]) -> None:
         self.model = model
+        self.dtype = dtype
+        self.kv_shape = kv_shape           # (num_kv_heads, head_dim) per rank
         self.block_size = block_size
         self.sampler = sampler
         self.is_driver = is_driver         # rank 0: samples and replies
@@ -129,25 +132,31 @@ class ModelRunner:
         """Padded gather indices and the causal mask for requests of one group."""
         bs = self.block_size
         max_q = max(m[1] for m in members)
-        max_kv = max(m[2] for m in members)
+        max_blocks = -(-max(m[2] for m in members) // bs)
+        max_kv = max_blocks * bs
         q_index = np.zeros((len(members), max_q), dtype=np.int64)
-        kv_index = np.zeros((len(members), max_kv), dtype=np.int64)
+        block_index = np.zeros((len(members), max_blocks), dtype=np.int64)
         q_valid = np.zeros((len(members), max_q), dtype=bool)
         mask = np.zeros((len(members), max_q, max_kv), dtype=bool)
         kv_pos = np.arange(max_kv)
         for i, (row, q_len, ctx, blocks) in enumerate(members):
             q_index[i, :q_len] = np.arange(row, row + q_len)
             q_valid[i, :q_len] = True
-            kv_index[i, :ctx] = (blocks[:, None] * bs + np.arange(bs)).ravel()[:ctx]
+            num_blocks = -(-ctx // bs)
+            block_index[i, :num_blocks] = blocks[:num_blocks]
             q_pos = np.arange(ctx - q_len, ctx)
             mask[i, :q_len] = kv_pos[None, :] <= q_pos[:, None]
             mask[i, q_len:, 0] = True     # padded query rows see one slot: no NaN rows
         valid = q_valid.ravel()
         bias = np.where(mask, 0.0, -np.inf).astype(np.float32)[:, :, None, :]
+        num_kv_heads, head_dim = self.kv_shape
+        buf_shape = (num_kv_heads, block_index.size, bs * head_dim)
         return TorchAttnGroup(
             len(members), max_q, max_kv, self._tensor(q_index.ravel()),
-            self._tensor(kv_index.ravel()), self._tensor(bias), self._tensor(valid),
-            self._tensor(q_index.ravel()[valid]))
+            self._tensor(block_index.ravel()), self._tensor(bias), self._tensor(valid),
+            self._tensor(q_index.ravel()[valid]),
+            torch.empty(buf_shape, dtype=self.dtype, device=self.device),
+            torch.empty(buf_shape, dtype=self.dtype, device=self.device))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

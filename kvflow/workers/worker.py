@@ -27,8 +27,10 @@ class Worker:
         self.dtype = getattr(torch, config.model.dtype)
         self.model = self._build_model()
         self.num_blocks = self._allocate_kv_cache()
+        attn = next(m for m in self.model.modules() if isinstance(m, Attention))
         self.runner = ModelRunner(self.model, config.cache.block_size, Sampler(config.seed),
-                                  self.tp.rank == 0, self.device)
+                                  self.tp.rank == 0, self.device, self.dtype,
+                                  (attn.num_kv_heads, attn.head_dim))
 
     def _build_model(self) -> LlamaForCausalLM:
         model_cfg = self.config.model
