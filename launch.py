@@ -1,12 +1,19 @@
-"""kvflow command line: `generate` runs one prompt and streams the text to the terminal.
+"""kvflow command line.
 
+    python launch.py serve --model default --tp 1 --client-address tcp://127.0.0.1:5555
     python launch.py generate --model default "Write a haiku about the sea."
+
+`serve` starts the cluster (this process is the frontend; EngineCore and one worker per
+tensor-parallel rank are its children) and answers kvflow.Client / AsyncClient until SIGINT or
+SIGTERM. `generate` starts the same cluster for one prompt and streams the answer.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+logger = logging.getLogger("kvflow")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size in GiB (default: 10%% of available RAM, <= 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    parser.add_argument("--log-level", default="WARNING",
+    parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -41,23 +48,73 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
 
 
+def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The frontend's pieces: config, tokenizer, the EngineCore child (with its workers)."""
+    from kvflow.config import make_engine_config
+    from kvflow.frontend.engine_client import MultiprocEngine
+    from kvflow.frontend.model_files import resolve_model
+    from kvflow.frontend.processor import InputProcessor
+    from kvflow.frontend.tokenizer import Tokenizer
+    path = resolve_model(args.model)
+    config = make_engine_config(path, **engine_kwargs(args))
+    tokenizer = Tokenizer(path)
+    engine = MultiprocEngine(config)
+    logger.info("EngineCore and %d worker(s) ready: %d KV blocks of %d tokens", args.tp,
+                engine.num_blocks, config.cache.block_size)
+    return engine, InputProcessor(config, tokenizer, engine.num_blocks)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from kvflow.frontend.server import Server
+    engine, processor = start_cluster(args)
+    try:
+        server = Server(engine, processor, args.client_address)
+    except Exception:
+        engine.shutdown()
+        raise
+    logger.info("serving on %s", args.client_address)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        logger.info("stopped")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    from kvflow import LLM, SamplingParams
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens)
-    with LLM(args.model, **engine_kwargs(args)) as llm:
+    import time
+
+    from kvflow.ipc.messages import EngineRequest
+    from kvflow.sampling_params import SamplingParams
+    engine, processor = start_cluster(args)
+    try:
         prompt = args.prompt
         if not args.raw:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-        print(out.text)
+            prompt = processor.render_chat([{"role": "user", "content": prompt}])
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=args.max_tokens)
+        tracker = processor.make_tracker("0", prompt, params)
+        engine.add_requests([EngineRequest("0", tracker.output.prompt_token_ids, params,
+                                           time.time())])
+        finished = False
+        while not finished:
+            outputs = engine.get_outputs()
+            for delta in outputs.outputs if outputs else []:
+                finished = finished or tracker.apply(delta)
+                print(tracker.new_text(), end="", flush=True)
+        print()
+    finally:
+        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="launch.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="run one prompt and print the answer")
+    serve = sub.add_parser("serve", help="start the cluster and serve clients over ZMQ")
+    serve.add_argument("--client-address", default="tcp://127.0.0.1:5555",
+                       help="where kvflow.Client connects (tcp://HOST:PORT or ipc://PATH)")
+    add_engine_args(serve)
+    gen = sub.add_parser("generate", help="run one prompt and stream the answer")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -67,9 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(gen)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("kvflow").setLevel(args.log_level)
     try:
-        {"generate": cmd_generate}[args.command](args)
-    except ValueError as e:
+        {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
+    except (ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -1,6 +1,8 @@
 """kvflow: a compact LLM inference engine (paged KV cache, continuous batching, prefix caching)."""
+from kvflow.errors import EngineDeadError
+from kvflow.frontend.client import AsyncClient, Client
 from kvflow.frontend.llm import LLM
 from kvflow.frontend.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Client", "AsyncClient", "EngineDeadError"]

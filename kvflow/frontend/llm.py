@@ -8,15 +8,13 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from kvflow.config import make_engine_config
-from kvflow.core.validation import check_request
 from kvflow.frontend.engine_client import InProcessEngine, MultiprocEngine
 from kvflow.frontend.model_files import resolve_model
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
+from kvflow.frontend.processor import InputProcessor, Prompt
 from kvflow.frontend.tokenizer import Tokenizer
 from kvflow.ipc.messages import EngineRequest, EngineStats
 from kvflow.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -44,6 +42,7 @@ class LLM:
         self.tokenizer = Tokenizer(path)
         self.engine: InProcessEngine | MultiprocEngine | None = (
             InProcessEngine(self.config) if in_process else MultiprocEngine(self.config))
+        self.processor = InputProcessor(self.config, self.tokenizer, self.engine.num_blocks)
         self.last_stats = EngineStats()
         self._ids = itertools.count()
 
@@ -65,7 +64,7 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered by the chat template."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore
+        prompts = [self.processor.render_chat(c) for c in conversations]  # type: ignore
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
@@ -94,18 +93,10 @@ class LLM:
 
     def _make_tracker(self, index: int, prompt: Prompt, params: SamplingParams
                       ) -> RequestTracker:
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params.validate()
-        error = check_request(token_ids, params, max_model_len=self.config.model.max_model_len,
-                              vocab_size=self.config.model.vocab_size,
-                              block_size=self.config.cache.block_size,
-                              num_blocks=self._engine().num_blocks)
-        if error is not None:
-            raise ValueError(f"prompt {index}: {error}")
-        output = RequestOutput(request_id=str(next(self._ids)), prompt=text,
-                               prompt_token_ids=token_ids)
-        return RequestTracker(output, params, self.tokenizer)
+        try:
+            return self.processor.make_tracker(str(next(self._ids)), prompt, params)
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
 
     def _engine(self) -> InProcessEngine | MultiprocEngine:
         if self.engine is None:
