@@ -140,6 +140,7 @@ def make_engine_config(
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={attention_backend!r} must be one of "
                          f"{ATTENTION_BACKENDS}")
+    _check_tp(hf, tensor_parallel_size)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
         dtype=_resolve_dtype(dtype, hf), load_format=load_format,
@@ -155,6 +156,19 @@ def make_engine_config(
                                   max_num_batched_tokens=max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         seed=seed, attention_backend=attention_backend, num_threads=threads)
+
+
+def _check_tp(hf: dict, tp: int) -> None:
+    """Fail before any process starts when the model cannot be split tp ways."""
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads", heads))
+    inter = int(hf["intermediate_size"])
+    if heads % tp or inter % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads} "
+                         f"and intermediate_size={inter}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads="
+                         f"{kv_heads} or be a multiple of it (KV heads are then replicated)")
 
 
 def _check_positive(**values: int) -> None:
