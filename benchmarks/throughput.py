@@ -10,13 +10,29 @@ request asked for, and HF's padded token count is printed too.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import time
 
 import torch
 
 
-def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """Seeded random token-id prompts and output lengths (args.model must be a folder)."""
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*args.prompt_len))]
                for _ in range(args.num_requests)]
@@ -27,7 +43,7 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
 def run_kvflow(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int]) -> float:
     from kvflow import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              max_num_seqs=args.num_requests, load_format=args.load_format)
+              max_num_seqs=args.num_requests, load_format=args.load_format, in_process=True)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
     core, runner = llm.engine.core, llm.engine.worker.runner
@@ -49,7 +65,7 @@ def run_kvflow(args: argparse.Namespace, prompts: list[list[int]], outputs: list
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int]) -> float:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(args.model_path,
+    model = AutoModelForCausalLM.from_pretrained(args.model,
                                                  dtype=getattr(torch, args.dtype)).eval()
     model.generation_config.eos_token_id = None
     longest = max(len(p) for p in prompts)
@@ -71,24 +87,13 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    parser.add_argument("--load-format", default="safetensors")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     from kvflow.frontend.model_files import resolve_model
-    args.model_path = args.model = resolve_model(args.model)
-    import json
-    import os
-    with open(os.path.join(args.model_path, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    prompts, outputs = make_workload(args, vocab)
+    args.model = resolve_model(args.model)
+    prompts, outputs = make_workload(args)
     print(f"workload: {args.num_requests} requests, prompt len {args.prompt_len}, output len "
           f"{args.output_len}, {args.dtype}, torch threads {torch.get_num_threads()}")
     ours = run_kvflow(args, prompts, outputs)
