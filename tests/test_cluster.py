@@ -174,3 +174,25 @@ def test_tensor_parallel_that_cannot_split(default_model: str) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide "
                                          "num_attention_heads=9"):
         LLM(default_model, tensor_parallel_size=2)
+
+
+def test_client_vanishing_mid_stream_does_not_hurt_others(server: str,
+                                                          reference: list[str]) -> None:
+    gone = Client(server, timeout=60)
+    stream = gone.stream("Tell me a long story.", SamplingParams(max_tokens=300,
+                                                                 ignore_eos=True))
+    next(stream)
+    gone.ctx.destroy(linger=0)         # the process "disappears": no abort is ever sent
+    with Client(server, timeout=60) as c:
+        assert c.generate(PROMPTS[0], GREEDY).text == reference[0]
+
+
+def test_clients_in_other_processes(server: str, reference: list[str]) -> None:
+    code = ("import sys; from kvflow import Client, SamplingParams; "
+            "c = Client(sys.argv[1], timeout=120); "
+            "print(repr(c.generate(sys.argv[2], SamplingParams(temperature=0, max_tokens=20, "
+            "ignore_eos=True)).text))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, server, p], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True) for p in PROMPTS[:2]]
+    texts = [eval(p.communicate(timeout=180)[0]) for p in procs]
+    assert texts == reference[:2]

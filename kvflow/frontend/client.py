@@ -93,7 +93,7 @@ class Client:
                 finished = msg.finish_reason is not None
                 yield _to_output(msg, prompt if isinstance(prompt, str) else None)
         finally:
-            if not finished:
+            if not finished and not self.sock.closed:
                 self.abort(req.request_id)
 
     def _whole(self, req: ClientRequest, prompt: str | None) -> RequestOutput:

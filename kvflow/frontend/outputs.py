@@ -50,7 +50,9 @@ class RequestTracker:
         for i, token_id in enumerate(delta.new_token_ids):
             out.token_ids.append(token_id)
             if delta.logprobs is not None:
-                out.logprobs = (out.logprobs or []) + [delta.logprobs[i]]
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.append(delta.logprobs[i])
             if self._add_text(token_id):
                 out.finish_reason = FINISH_STOP
                 return True
