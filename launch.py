@@ -34,7 +34,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                        help="KV cache size in GiB (default: 10%% of available RAM, <= 2)")
+                        help="KV cache size in GiB (default: on CPU 10%% of available RAM, "
+                             "<= 2; on CUDA what --gpu-memory-utilization leaves)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where workers run (auto: cuda:RANK when CUDA is available)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "torch", "triton", "flash_attn"],
+                        help="paged attention implementation (auto: flash_attn on CUDA when "
+                             "installed and --block-size is a multiple of 256, else triton "
+                             "on CUDA, else torch; the choice is logged at start-up)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA: no CUDA graphs for decode, no torch.compile")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of the GPU's memory kvflow may use (weights, activations, "
+                             "KV cache) when --kv-cache-memory-gb is not given")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -45,7 +58,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
+                kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
+                device=args.device, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -12,6 +12,8 @@ import msgspec
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DEVICES = ("auto", "cpu", "cuda")
+FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -29,7 +31,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     enable_prefix_caching: bool
-    kv_cache_memory_gb: float
+    # None: decided by each worker, which knows its device: on CPU a share of the free RAM
+    # (auto_kv_cache_gb), on CUDA what gpu_memory_utilization leaves after a profiling run.
+    kv_cache_memory_gb: float | None
+    gpu_memory_utilization: float = 0.9
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,8 +52,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     seed: int
-    attention_backend: str
+    attention_backend: str         # "auto" is resolved by the worker (it needs torch, CUDA)
     num_threads: int               # torch intra-op threads per worker process
+    device: str = "auto"           # "auto" -> cuda:rank when CUDA is available, else cpu
+    enforce_eager: bool = False    # True: no CUDA graphs for decode steps
 
 
 def read_hf_config(path: str) -> dict:
@@ -89,7 +96,7 @@ def _resolve_dtype(dtype: str, hf: dict) -> str:
     return dtype
 
 
-def _auto_kv_cache_gb() -> float:
+def auto_kv_cache_gb() -> float:
     """A safe share of the RAM available now: 10%, at most 2 GiB, at least 0.25 GiB."""
     try:
         with open("/proc/meminfo") as f:
@@ -115,6 +122,9 @@ def make_engine_config(
     load_format: str = "safetensors",
     attention_backend: str = "auto",
     num_threads: int | None = None,
+    device: str = "auto",
+    enforce_eager: bool = False,
+    gpu_memory_utilization: float = 0.9,
 ) -> EngineConfig:
     """Validate every user value and decide every "auto"; raises ValueError naming the field."""
     hf = read_hf_config(model_path)
@@ -137,9 +147,7 @@ def make_engine_config(
         raise ValueError(f"block_size={block_size} must be a power of two")
     if kv_cache_memory_gb is not None and kv_cache_memory_gb <= 0:
         raise ValueError(f"kv_cache_memory_gb={kv_cache_memory_gb} must be > 0")
-    if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={attention_backend!r} must be one of "
-                         f"{ATTENTION_BACKENDS}")
+    _check_execution(attention_backend, device, block_size, gpu_memory_utilization)
     _check_tp(hf, tensor_parallel_size)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
@@ -148,14 +156,34 @@ def make_engine_config(
         eos_token_ids=_eos_token_ids(model_path, hf), hf_config=hf)
     cache = CacheConfig(
         block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory_gb=kv_cache_memory_gb or _auto_kv_cache_gb())
+        kv_cache_memory_gb=kv_cache_memory_gb,
+        gpu_memory_utilization=float(gpu_memory_utilization))
     threads = num_threads or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
     return EngineConfig(
         model=model, cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-        seed=seed, attention_backend=attention_backend, num_threads=threads)
+        seed=seed, attention_backend=attention_backend, num_threads=threads, device=device,
+        enforce_eager=bool(enforce_eager))
+
+
+def _check_execution(attention_backend: str, device: str, block_size: int,
+                     gpu_memory_utilization: float) -> None:
+    """What can be checked without torch; the worker checks the rest (CUDA, flash-attn)."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={attention_backend!r} must be one of "
+                         f"{ATTENTION_BACKENDS}")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} must be one of {DEVICES}")
+    if attention_backend == "flash_attn" and device == "cpu":
+        raise ValueError("attention_backend='flash_attn' needs CUDA, but device='cpu'")
+    if attention_backend == "flash_attn" and block_size % FLASH_ATTN_BLOCK_SIZE:
+        raise ValueError(f"attention_backend='flash_attn' needs block_size to be a multiple of "
+                         f"{FLASH_ATTN_BLOCK_SIZE} (its paged KV API), got block_size={block_size}")
+    if (not isinstance(gpu_memory_utilization, (int, float))
+            or not 0 < gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
 
 
 def _check_tp(hf: dict, tp: int) -> None:

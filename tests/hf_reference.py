@@ -13,21 +13,21 @@ class Reference:
 
 
 def hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int,
-              dtype: torch.dtype = torch.float32) -> list[Reference]:
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[Reference]:
     """Greedy continuations by HF transformers, one prompt at a time (no padding effects)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None      # we compare with ignore_eos=True
     refs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=0)
         refs.append(Reference(out.sequences[0, len(prompt):].tolist(),
-                              [torch.log_softmax(l[0].float(), -1) for l in out.logits]))
+                              [torch.log_softmax(l[0].float(), -1).cpu() for l in out.logits]))
     return refs
 
 

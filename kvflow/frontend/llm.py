@@ -22,6 +22,12 @@ class LLM:
 
     By default EngineCore and its workers run as child processes (the same cluster as
     `launch.py serve`); `in_process=True` runs them in this process, for debugging and tests.
+
+    Execution: `device` auto|cpu|cuda (auto: cuda:rank when CUDA is available);
+    `attention_backend` auto|torch|triton|flash_attn (auto: flash_attn on CUDA when installed and
+    block_size % 256 == 0, else triton on CUDA, else torch); `enforce_eager=True` turns CUDA
+    graphs and torch.compile off; on CUDA with `kv_cache_memory_gb=None` the KV cache takes
+    what `gpu_memory_utilization` of the card leaves after the weights and a profiling step.
     """
 
     def __init__(self, model: str = "default", *, tensor_parallel_size: int = 1,
@@ -30,7 +36,8 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_memory_gb: float | None = None, load_format: str = "safetensors",
                  attention_backend: str = "auto", num_threads: int | None = None,
-                 in_process: bool = False) -> None:
+                 device: str = "auto", enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.9, in_process: bool = False) -> None:
         path = resolve_model(model)
         self.config = make_engine_config(
             path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
@@ -38,7 +45,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
             load_format=load_format, attention_backend=attention_backend,
-            num_threads=num_threads)
+            num_threads=num_threads, device=device, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization)
         self.tokenizer = Tokenizer(path)
         self.engine: InProcessEngine | MultiprocEngine | None = (
             InProcessEngine(self.config) if in_process else MultiprocEngine(self.config))

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from kvflow.ipc.messages import StepPlan, StepResult
-from kvflow.kernels.torch_attention import TorchAttnGroup
 from kvflow.sampling_params import SamplingParams
+from kvflow.workers.attention_backends import AttentionBackend, SeqSpan, to_device
+from kvflow.workers.cuda_graphs import DecodeGraphs
 from kvflow.workers.layers.attention import AttentionMetadata
 from kvflow.workers.models.llama import LlamaForCausalLM
 from kvflow.workers.sampler import Sampler, SamplingBatch
@@ -36,6 +37,7 @@ class StepInputs:
     logits_rows: torch.Tensor      # [num_sampled] packed row of each sampling request's last token
     sampled_ids: list[str]
     sampling: SamplingBatch
+    graph_batch: int = 0           # > 0: replay the decode CUDA graph of this (padded) batch
 
 
 class StepTimes:
@@ -48,14 +50,14 @@ class StepTimes:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, sampler: Sampler,
-                 is_driver: bool, device: torch.device, dtype: torch.dtype,
-                 kv_shape: tuple[int, int]) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, sampler: Sampler,
+                 is_driver: bool, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.dtype = dtype
-        self.kv_shape = kv_shape           # (num_kv_heads, head_dim) per rank
-        self.block_size = block_size
+        self.backend = backend             # cache layout, attention metadata and kernels
+        self.block_size = backend.block_size
         self.sampler = sampler
+        self.graphs: DecodeGraphs | None = None   # set by capture_cuda_graphs (CUDA only)
         self.is_driver = is_driver         # rank 0: samples and replies
         self.device = device
         self.requests: dict[str, RequestState] = {}
@@ -81,7 +83,7 @@ class ModelRunner:
             return StepResult([], [])
         inputs = self.prepare(plan)
         t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         t2 = time.perf_counter()
         result = StepResult([], [])
@@ -94,14 +96,28 @@ class ModelRunner:
         self.times.sample += t3 - t2
         return result
 
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.graph_batch:
+            assert self.graphs is not None
+            return self.graphs.replay(inputs.graph_batch)    # [graph_batch, hidden]
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:
+        """Capture decode graphs for a ladder of batch sizes; returns the sizes."""
+        graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_model_len,
+                              self.device)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.batch_sizes
+
     # --- input preparation -------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         # (first packed row, q_len, context_len, block_ids) of each request, by group
-        decodes: list[tuple[int, int, int, np.ndarray]] = []
-        prefills: list[tuple[int, int, int, np.ndarray]] = []
+        decodes: list[SeqSpan] = []
+        prefills: list[SeqSpan] = []
         logits_rows, sampled_ids, params, out_pos = [], [], [], []
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
@@ -121,42 +137,48 @@ class ModelRunner:
                 params.append(state.sampling_params)
                 out_pos.append(end - state.num_prompt_tokens)
             row += n
-        groups = [self._group(g) for g in (decodes, prefills) if g]
-        meta = AttentionMetadata(self._tensor(np.concatenate(slots)), groups)
-        return StepInputs(self._tensor(np.concatenate(input_ids)),
-                          self._tensor(np.concatenate(positions)), meta,
-                          self._tensor(np.asarray(logits_rows, dtype=np.int64)),
-                          sampled_ids, SamplingBatch(params, out_pos))
+        sampling = SamplingBatch(params, out_pos)
+        rows = self._tensor(np.asarray(logits_rows, dtype=np.int64))
+        ids, pos, slot_mapping = (np.concatenate(a) for a in (input_ids, positions, slots))
+        if self.graphs is not None and not prefills and self.graphs.fits(decodes):
+            batch = self.graphs.load(ids, pos, slot_mapping, decodes)
+            return StepInputs(self.graphs.input_ids[:batch], self.graphs.positions[:batch],
+                              self.graphs.metadata[batch], rows, sampled_ids, sampling, batch)
+        meta = self.backend.build_metadata(slot_mapping, decodes, prefills)
+        return StepInputs(self._tensor(ids), self._tensor(pos), meta, rows, sampled_ids,
+                          sampling)
 
-    def _group(self, members: list[tuple[int, int, int, np.ndarray]]) -> TorchAttnGroup:
-        """Padded gather indices and the causal mask for requests of one group."""
-        bs = self.block_size
-        max_q = max(m[1] for m in members)
-        max_blocks = -(-max(m[2] for m in members) // bs)
-        max_kv = max_blocks * bs
-        q_index = np.zeros((len(members), max_q), dtype=np.int64)
-        block_index = np.zeros((len(members), max_blocks), dtype=np.int64)
-        q_valid = np.zeros((len(members), max_q), dtype=bool)
-        mask = np.zeros((len(members), max_q, max_kv), dtype=bool)
-        kv_pos = np.arange(max_kv)
-        for i, (row, q_len, ctx, blocks) in enumerate(members):
-            q_index[i, :q_len] = np.arange(row, row + q_len)
-            q_valid[i, :q_len] = True
-            num_blocks = -(-ctx // bs)
-            block_index[i, :num_blocks] = blocks[:num_blocks]
-            q_pos = np.arange(ctx - q_len, ctx)
-            mask[i, :q_len] = kv_pos[None, :] <= q_pos[:, None]
-            mask[i, q_len:, 0] = True     # padded query rows see one slot: no NaN rows
-        valid = q_valid.ravel()
-        bias = np.where(mask, 0.0, -np.inf).astype(np.float32)[:, :, None, :]
-        num_kv_heads, head_dim = self.kv_shape
-        buf_shape = (num_kv_heads, block_index.size, bs * head_dim)
-        return TorchAttnGroup(
-            len(members), max_q, max_kv, self._tensor(q_index.ravel()),
-            self._tensor(block_index.ravel()), self._tensor(bias), self._tensor(valid),
-            self._tensor(q_index.ravel()[valid]),
-            torch.empty(buf_shape, dtype=self.dtype, device=self.device),
-            torch.empty(buf_shape, dtype=self.dtype, device=self.device))
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """The largest step the scheduler can send, for measuring peak memory: `num_tokens`
+        prompt tokens (in sequences of at most max_model_len) through the model, then logits
+        and sampling for max_num_seqs rows. Needs a bound KV cache of `profile_num_blocks`."""
+        seq_len, num_seqs = self._profile_shape(num_tokens, max_num_seqs, max_model_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        pos = np.arange(seq_len)
+        spans: list[SeqSpan] = []
+        slots = []
+        for i in range(num_seqs):
+            blocks = np.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq)
+            spans.append((i * seq_len, seq_len, seq_len, blocks))
+            slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+        meta = self.backend.build_metadata(np.concatenate(slots), [], spans)
+        ids = self._tensor(np.zeros(num_seqs * seq_len, dtype=np.int64))
+        hidden = self.model(ids, self._tensor(np.tile(pos, num_seqs)), meta)
+        logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
+        if logits is not None:                        # a throwaway sampler: no RNG state used
+            params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)] * max_num_seqs
+            Sampler(0, self.device)(logits.float(), SamplingBatch(params, [0] * max_num_seqs))
+
+    def profile_num_blocks(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        seq_len, num_seqs = self._profile_shape(num_tokens, max_num_seqs, max_model_len)
+        return num_seqs * -(-seq_len // self.block_size)
+
+    @staticmethod
+    def _profile_shape(num_tokens: int, max_num_seqs: int, max_model_len: int
+                       ) -> tuple[int, int]:
+        seq_len = min(max_model_len, num_tokens)
+        return seq_len, max(1, min(num_tokens // seq_len, max_num_seqs))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return to_device(array, self.device)

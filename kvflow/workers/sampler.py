@@ -3,7 +3,8 @@
 Masks follow HF's warper order (temperature, top-k, top-p, min-p). A token is drawn as
 argmax(probs / E) with E ~ Exponential(1), which is an exact draw from `probs`; a seeded
 request draws its E from a generator seeded by (seed, output position), so its tokens do not
-depend on what else is in the batch, nor on preemption.
+depend on what else is in the batch, nor on preemption. Everything runs on the logits' device
+(on CUDA: CUDA generators, so seeded draws differ from the CPU's, but are as reproducible).
 """
 from __future__ import annotations
 
@@ -41,16 +42,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu")) -> None:
+        self.generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
         """logits: [batch, vocab] float32 -> sampled ids and (if any asked) logprob dicts."""
         params = batch.params
-        greedy = torch.tensor([p.greedy for p in params])
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             drawn = self._draw(logits, batch)
             token_ids = torch.where(greedy, token_ids, drawn)
         ids = token_ids.tolist()
@@ -58,17 +59,20 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
-        temperature = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
-        logits = logits / temperature
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        logits = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             logits = apply_top_k_top_p_min_p(
-                logits, torch.tensor([p.top_k for p in params]),
-                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+                logits, torch.tensor([p.top_k for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device))
         probs = logits.softmax(dim=-1)                                     # [batch, vocab]
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, p in enumerate(params):
             if p.seed is not None:
-                gen = torch.Generator().manual_seed(_mix(p.seed, batch.output_positions[i]))
+                gen = torch.Generator(device).manual_seed(
+                    _mix(p.seed, batch.output_positions[i]))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

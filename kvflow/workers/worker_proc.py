@@ -34,6 +34,9 @@ def main() -> None:
     args, config = child_args(parser)
     run_worker(config, args.rank, args.plan_address, args.result_address, args.dist_address,
                args.parent_fd, args.log_level)
+    # Nothing is left to flush, and the interpreter's teardown of a loaded model takes
+    # seconds on a busy machine (while EngineCore waits, or nobody does): exit at once.
+    os._exit(0)
 
 
 def run_worker(config: EngineConfig, rank: int, plan_address: str, result_address: str,
@@ -66,11 +69,16 @@ def _start(config: EngineConfig, rank: int, dist_address: str):  # type: ignore[
     import torch.distributed as dist
 
     from kvflow.workers.layers.parallel import TPGroup
-    from kvflow.workers.worker import Worker
+    from kvflow.workers.worker import Worker, resolve_device
     size = config.parallel.tensor_parallel_size
     tp = TPGroup()
     if size > 1:
-        dist.init_process_group("gloo", init_method=dist_address, rank=rank, world_size=size)
+        # One GPU per rank (cuda:rank, made current by resolve_device) and NCCL between them;
+        # gloo on CPU. The layers only see TPGroup either way.
+        device = resolve_device(config.device, rank)
+        on_cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=dist_address,
+                                rank=rank, world_size=size, device_id=device if on_cuda else None)
         tp = TPGroup(rank, size, dist.group.WORLD)
     return Worker(config, tp)
 

@@ -1,21 +1,25 @@
 """The attention layer: store this step's K/V in the paged cache, then attend over it.
 
-Per-step metadata is built once by the model runner and passed down explicitly.
+How both are done belongs to the attention backend (kvflow/workers/attention_backends.py): its
+cache layout, its per-step metadata (built once by the model runner, passed down explicitly)
+and its kernels. The worker binds the backend and this layer's slice of the cache once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvflow.kernels.torch_attention import TorchAttnGroup, group_attention, store_kv
+if TYPE_CHECKING:
+    from kvflow.workers.attention_backends import AttentionBackend
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """What every backend needs; each backend's metadata subclasses it."""
     slot_mapping: torch.Tensor                  # [num_tokens] cache slot of each new token
-    groups: list[TorchAttnGroup] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -26,14 +30,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         # Bound once by the worker when it allocates the cache.
+        self.backend: AttentionBackend | None = None
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        for group in meta.groups:
-            group_attention(q, self.k_cache, self.v_cache, group, self.scale, out)
-        return out
+        assert self.backend is not None, "the worker binds a backend and a KV cache first"
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta)
+        return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -31,13 +31,20 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.elementwise_fn = apply_rotary  # compiled on CUDA (layers/compile.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.elementwise_fn(positions, q, k, self.cos, self.sin)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)        # [num_tokens, 1, head_dim]
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

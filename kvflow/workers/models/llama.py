@@ -21,7 +21,8 @@ from kvflow.workers.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
@@ -33,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
                                         cfg.get("attention_bias", False), tp)
-        self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.get("max_position_embeddings", 4096))
+        self.rotary = rotary                                  # one table, shared by layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5)
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
@@ -61,17 +62,23 @@ class LlamaMLP(nn.Module):
         bias = cfg.get("mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
+        self.elementwise_fn = silu_and_mul  # compiled on CUDA (layers/compile.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.elementwise_fn(self.gate_up_proj(x)))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)                             # [num_tokens, inter] each
+    return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.self_attn = LlamaAttention(cfg, tp, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, tp, qkv_bias, qk_norm, rotary)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = LlamaMLP(cfg, tp)
 
@@ -85,7 +92,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, qk_norm)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary = RotaryEmbedding(cfg, head_dim, cfg.get("max_position_embeddings", 4096))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, qk_norm, rotary)
                                     for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
