@@ -77,7 +77,8 @@ class MultiprocEngine:
             "--log-level", str(logging.getLogger().level)])
         self.dead: str | None = None
         self._calls = itertools.count()
-        self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx, self.run_dir)
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
+                                           [self.input.sock, self.output.sock], self.run_dir)
         ready = self._wait_ready(time.monotonic() + startup_timeout)
         self.num_blocks = ready.num_blocks
 
@@ -113,15 +114,29 @@ class MultiprocEngine:
         self.shutdown()
         raise EngineDeadError(reason)
 
-    def add_requests(self, requests: list[EngineRequest]) -> None:
+    def _send(self, msg: ToEngine) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        try:
+            self.input.sock.send(self.input.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            # Only with no EngineCore connected (no HWM): it is gone, and a blocking send
+            # would wait forever. Learn why from its last message or its exit.
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                self._recv(max(0.0, deadline - time.monotonic()))
+            self._die(f"EngineCore (pid {self.proc.pid}) is not connected")
+
+    def add_requests(self, requests: list[EngineRequest]) -> None:
         for request in requests:
-            self.input.send(request)
+            self._send(request)
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead is None:
-            self.input.send(Abort(request_ids))
+            try:
+                self._send(Abort(request_ids))
+            except EngineDeadError:                  # nothing left to abort
+                pass
 
     def get_outputs(self, timeout: float | None = None) -> EngineOutputs | None:
         msg = self._recv(timeout)
@@ -131,10 +146,10 @@ class MultiprocEngine:
         """Call a utility method in EngineCore; outputs that arrive meanwhile are dropped, so
         call it only when no request is running."""
         call_id = next(self._calls)
-        self.input.send(UtilityCall(call_id, method))
+        self._send(UtilityCall(call_id, method))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            msg = self._recv(deadline - time.monotonic())
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
             if isinstance(msg, UtilityResult) and msg.call_id == call_id:
                 if msg.error:
                     raise ValueError(msg.error)
@@ -148,15 +163,19 @@ class MultiprocEngine:
     def shutdown(self) -> None:
         if self.dead is None:
             try:
-                self.input.send(Shutdown())
-            except zmq.ZMQError:
+                self.input.sock.send(self.input.encoder.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:                     # Again: EngineCore is already gone
                 pass
         self._finalizer()
 
 
-def _stop(proc: Child, ctx: zmq.Context, run_dir: str) -> None:
+def _stop(proc: Child, ctx: zmq.Context, sockets: list[zmq.Socket], run_dir: str) -> None:
     """Stop EngineCore (it stops its workers): closing our pipe end tells it we are gone;
     wait, then kill. Also runs at garbage collection and interpreter exit."""
     proc.stop(5)
+    # Closed by hand: collected in a reference cycle, the engine's sockets are no longer in
+    # the context's weak set, and ctx.destroy() would then wait for them forever.
+    for sock in sockets:
+        sock.close(linger=0)
     ctx.destroy(linger=0)
     shutil.rmtree(run_dir, ignore_errors=True)

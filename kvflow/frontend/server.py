@@ -63,9 +63,10 @@ class Server:
             signal.signal(sig, lambda *_: None)      # the wakeup fd carries the news
         poller = zmq.Poller()
         poller.register(self.clients.sock, zmq.POLLIN)
-        poller.register(self.engine.output.sock, zmq.POLLIN)
-        poller.register(self.engine.sentinel, zmq.POLLIN)
         poller.register(self.wakeup_r, zmq.POLLIN)
+        engine_items = [self.engine.output.sock, self.engine.sentinel]
+        for item in engine_items:
+            poller.register(item, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
@@ -74,9 +75,14 @@ class Server:
                     return
                 if self.clients.sock in ready:
                     self.receive_clients()
-                if self.dead is None and (self.engine.output.sock in ready
-                                          or self.engine.sentinel in ready):
+                if self.dead is None and any(item in ready for item in engine_items):
                     self.receive_engine()
+                if self.dead is not None and engine_items:
+                    # The dead engine's socket and pidfd are closed now: polling them would
+                    # return at once, forever (a busy loop), so stop watching them.
+                    for item in engine_items:
+                        poller.unregister(item)
+                    engine_items = []
         finally:
             signal.set_wakeup_fd(old)
 
@@ -184,6 +190,11 @@ class Server:
         self.by_client.clear()
 
     def close(self) -> None:
+        for p in self.pending.values():          # else their clients would wait forever
+            self.reply(p.identity, ClientOutput(p.client_request_id,
+                                                error="the server is shutting down",
+                                                error_kind=ERROR_ENGINE_DEAD))
+        self.clients.sock.close(linger=1000)     # let those answers leave
         self.engine.shutdown()
         self.ctx.destroy(linger=0)
         os.close(self.wakeup_r)
@@ -193,5 +204,5 @@ class Server:
 def _params(raw: msgspec.Raw) -> SamplingParams:
     try:
         return msgspec.msgpack.decode(raw, type=SamplingParams)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:   # ValidationError is a DecodeError
         raise ValueError(str(e)) from None

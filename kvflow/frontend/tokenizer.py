@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
@@ -57,9 +58,12 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.token_text("bos_token") or "",
-                               eos_token=self.token_text("eos_token") or "")
+        bos, eos = self.token_text("bos_token") or "", self.token_text("eos_token") or ""
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=bos, eos_token=eos)
+        except TemplateError as e:      # e.g. a message without 'role': a bad request
+            raise ValueError(f"chat template: {e}") from None
 
     def stream_decoder(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer)

@@ -57,7 +57,7 @@ class Channel(Generic[T]):
     def decode(self, data: bytes) -> T | None:
         try:
             return self.decoder.decode(data)  # type: ignore[no-any-return]
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:   # invalid UTF-8 is the latter
             logger.warning("dropped a malformed message (%d bytes): %s", len(data), e)
             return None
 

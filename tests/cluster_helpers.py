@@ -1,0 +1,204 @@
+"""Helpers for tests that run the real cluster (launch.py serve, or LLM's child processes).
+
+- `ServeProcess`: `launch.py serve` on a free port; `wait_serving()` waits for its "serving on"
+  log line (or raises with the log if it exits first); `tree()` lists it and its descendants.
+- Every process a test starts carries a unique tag in its environment (children inherit it),
+  so `tagged_processes(tag)` finds them all, even those reparented after their parent died.
+- `exited()` counts a zombie as exited: PID 1 on CI containers may never reap orphans.
+- `kill_processes()` is the last line of cleanup: SIGKILL whatever is still there.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Iterable
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG_VAR = "KVFLOW_TEST_CLUSTER_TAG"
+ENGINE_MODULE = "kvflow.core.engine_proc"
+WORKER_MODULE = "kvflow.workers.worker_proc"
+
+
+def new_tag() -> str:
+    return uuid.uuid4().hex
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def exited(p: psutil.Process) -> bool:
+    """True once the process has exited (gone, or a zombie waiting to be reaped)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_exited(procs: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process exited or `timeout` passed; the survivors."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if not exited(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (those that are still running)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+def is_module(p: psutil.Process, module: str) -> bool:
+    line = cmdline(p)
+    return any(a == "-m" and b == module for a, b in zip(line, line[1:]))
+
+
+def arg_value(p: psutil.Process, name: str) -> str:
+    """The value of a `--name value` argument in the process's command line."""
+    line = cmdline(p)
+    return line[line.index(name) + 1]
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Every live (not exited) process whose environment carries `tag`."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(TAG_VAR) == tag and not exited(p):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_processes(procs: Iterable[psutil.Process], timeout: float = 10.0) -> None:
+    procs = list(procs)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    wait_exited(procs, timeout)
+
+
+def zombie_children(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """Exited children that a live parent among `procs` has not reaped."""
+    zombies = []
+    for p in procs:
+        if exited(p):
+            continue
+        try:
+            zombies += [c for c in p.children() if c.status() == psutil.STATUS_ZOMBIE]
+        except psutil.NoSuchProcess:
+            continue
+    return zombies
+
+
+class ServeProcess:
+    """`launch.py serve` in a new session, its log collected line by line."""
+
+    def __init__(self, *args: str, model: str = "default", kv_cache_memory_gb: float = 0.1,
+                 env: dict[str, str] | None = None) -> None:
+        self.address = free_tcp_address()
+        self.tag = new_tag()
+        full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}
+        cmd = [sys.executable, os.path.join(REPO, "launch.py"), "serve", "--client-address",
+               self.address, "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
+               *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.started: list[psutil.Process] = []     # the tree right after start-up
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Until the "serving on" line; also records the process tree."""
+        deadline = time.monotonic() + timeout
+        while not any("serving on" in line for line in self.lines):
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                raise RuntimeError(f"launch.py serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch.py serve did not start in {timeout} s:\n{self.log}")
+            time.sleep(0.05)
+        self.started = self.tree()
+
+    def tree(self) -> list[psutil.Process]:
+        return process_tree(self.pid)
+
+    def engine_core(self) -> psutil.Process:
+        [p] = [p for p in self.started if is_module(p, ENGINE_MODULE)]
+        return p
+
+    def workers(self) -> list[psutil.Process]:
+        return [p for p in self.started if is_module(p, WORKER_MODULE)]
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        return rc
+
+    def cleanup(self) -> None:
+        """Kill whatever is left of this cluster (the tree at start-up, the tree now, and every
+        tagged process) and reap the launcher."""
+        kill_processes({*self.started, *self.tree(), *tagged_processes(self.tag)})
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._reader.join(5)
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def send_signal_to_group(pid: int, sig: int = signal.SIGINT) -> None:
+    """What Ctrl-C in a terminal does: the signal goes to the whole foreground process group."""
+    os.killpg(os.getpgid(pid), sig)
