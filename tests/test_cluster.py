@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Iterator
 
-import psutil
 import pytest
 
+from cluster_helpers import ServeProcess
 from conftest import make_tiny_model
 from kvflow import AsyncClient, Client, LLM, SamplingParams
 
@@ -23,35 +22,11 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def square(x):",
            "Water boils at"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(default_model: str) -> Iterator[str]:
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "serve", "--model", default_model, "--client-address",
-         address, "--kv-cache-memory-gb", "0.2"], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:                  # wait for the "serving on" line
-            if "serving on" in line:
-                break
-        else:
-            pytest.fail(f"serve exited with {proc.wait()}")
-        threading.Thread(target=proc.stdout.read, daemon=True).start()   # keep draining
-        yield address
-    finally:
-        tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        proc.terminate()
-        proc.wait(15)
-        for p in tree:
-            if p.is_running():
-                p.kill()
+    with ServeProcess(model=default_model, kv_cache_memory_gb=0.2) as serve:
+        serve.wait_serving()
+        yield serve.address
 
 
 @pytest.fixture(scope="module")
