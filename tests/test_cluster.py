@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from cluster_helpers import ServeProcess
-from conftest import make_tiny_model
+from model_helpers import make_tiny_model
 from kvflow import AsyncClient, Client, LLM, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
