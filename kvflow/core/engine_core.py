@@ -24,7 +24,7 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
-class StepTimes:
+class CoreTimes:
     """Seconds spent per phase, summed over steps (the throughput benchmark prints them)."""
 
     def __init__(self) -> None:
@@ -45,7 +45,7 @@ class EngineCore:
                                    config.scheduler.max_num_batched_tokens,
                                    config.model.max_model_len, config.model.eos_token_ids)
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
-        self.times = StepTimes()
+        self.times = CoreTimes()
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request, or queue an error reply naming what is wrong with it."""

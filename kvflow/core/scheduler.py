@@ -172,10 +172,8 @@ class Scheduler:
                 self.running.remove(request)
                 self.block_manager.free(request)
                 self.forget_ids.append(request_id)
-            else:
+            else:                       # a waiting request is never on the workers
                 self.waiting.remove(request)
-                if request.on_worker:
-                    self.forget_ids.append(request_id)
             request.status = Status.FINISHED
             request.finish_reason = FINISH_ABORT
             del self.requests[request_id]

@@ -40,7 +40,7 @@ class StepInputs:
     graph_batch: int = 0           # > 0: replay the decode CUDA graph of this (padded) batch
 
 
-class StepTimes:
+class WorkerTimes:
     """Seconds per phase summed over steps: where a worker's time goes."""
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class ModelRunner:
         self.is_driver = is_driver         # rank 0: samples and replies
         self.device = device
         self.requests: dict[str, RequestState] = {}
-        self.times = StepTimes()
+        self.times = WorkerTimes()
 
     def apply_plan(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
