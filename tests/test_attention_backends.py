@@ -36,11 +36,11 @@ def test_execution_config_values(tiny_models: dict[str, str]) -> None:
 
 
 @no_cuda
-def test_auto_backend_on_cpu_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_backend_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     bf16 = torch.bfloat16
-    assert resolve_backend("auto", CPU, 16, bf16) == "torch"
-    assert resolve_backend("auto", CPU, 256, bf16) == "torch"
+    assert resolve_backend("auto", CPU, 16, bf16) == "cpu"          # C kernels (test_cpu_ops)
+    assert resolve_backend("auto", CPU, 256, bf16) == "cpu"
     assert resolve_backend("torch", CPU, 16, torch.float32) == "torch"
     with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
         resolve_backend("triton", CPU, 16, bf16)

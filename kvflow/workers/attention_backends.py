@@ -138,6 +138,70 @@ class TorchBackend(AttentionBackend):
             torch.empty(buf_shape, dtype=self.dtype, device=self.device))
 
 
+# --- cpu: the torch layout, decodes by a compiled C kernel --------------------------------
+
+@dataclass(frozen=True)
+class CpuDecode:
+    rows: torch.Tensor             # [batch] int64 packed row of each decode
+    block_tables: torch.Tensor     # [batch, max_blocks] int32
+    context_lens: torch.Tensor     # [batch] int32, the new token included
+
+
+@dataclass(frozen=True)
+class CpuMetadata(TorchMetadata):
+    decode: CpuDecode | None = None
+
+
+class CpuBackend(TorchBackend):
+    """The torch backend's cache and prefills; decodes read the paged cache in place with
+    kvflow/kernels/cpu_ops.c (no gathers, no per-head bmm calls). float32 and bfloat16."""
+    name = "cpu"
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
+        from kvflow.kernels.cpu_ops import paged_decode_attention
+        self._decode = paged_decode_attention
+
+    def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
+                       prefills: list[SeqSpan]) -> CpuMetadata:
+        decode = None
+        if decodes:
+            table = np.zeros((len(decodes), max(-(-ctx // self.block_size)
+                                                for _, _, ctx, _ in decodes)), dtype=np.int32)
+            for i, (_, _, ctx, blocks) in enumerate(decodes):
+                n = -(-ctx // self.block_size)
+                table[i, :n] = blocks[:n]
+            decode = CpuDecode(torch.from_numpy(np.asarray([d[0] for d in decodes], np.int64)),
+                               torch.from_numpy(table),
+                               torch.from_numpy(np.asarray([d[2] for d in decodes], np.int32)))
+        return CpuMetadata(self._tensor(slot_mapping), [self._group(prefills)] if prefills else [],
+                           decode)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert isinstance(meta, CpuMetadata), type(meta)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            d = meta.decode
+            self._decode(q, k_cache, v_cache, d.block_tables, d.context_lens, d.rows,
+                         self.block_size, scale, out)
+        for group in meta.groups:
+            group_attention(q, k_cache, v_cache, group, scale, out)
+        return out
+
+
+def cpu_kernels_usable(dtype: torch.dtype) -> str | None:
+    """None when the cpu backend can run `dtype` here, else why not."""
+    from kvflow.kernels import cpu_ops
+    if dtype not in cpu_ops.DTYPES:
+        return f"dtype {dtype} (the kernels have float32 and bfloat16)"
+    if cpu_ops.library() is None:
+        return f"the kernels did not build: {cpu_ops.build_error()}"
+    return None
+
+
 # --- paged layout: triton and flash_attn ---------------------------------------------------
 
 Rows = slice | torch.Tensor     # a request group's packed query rows: a range, or gather indices
@@ -313,7 +377,7 @@ class FlashAttnBackend(PagedBackend):
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    "torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}
+    "torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}
 
 
 # --- choosing one --------------------------------------------------------------------------
@@ -343,7 +407,15 @@ def resolve_backend(requested: str, device: torch.device, block_size: int,
     if requested == "auto":
         if on_cuda and fits_flash and flash_attn_importable():
             return "flash_attn"
-        return "triton" if on_cuda and triton_importable() else "torch"
+        if on_cuda:
+            return "triton" if triton_importable() else "torch"
+        return "cpu" if cpu_kernels_usable(dtype) is None else "torch"
+    if requested == "cpu":
+        if on_cuda:
+            raise ValueError(f"attention_backend='cpu' runs on CPU, but the device is {device}")
+        why = cpu_kernels_usable(dtype)
+        if why is not None:
+            raise ValueError(f"attention_backend='cpu' cannot run: {why}; use 'torch'")
     if requested == "flash_attn" and not (on_cuda and fits_flash and flash_attn_importable()):
         raise ValueError(f"attention_backend='flash_attn' needs CUDA (device is {device}), "
                          f"block_size % {FLASH_ATTN_BLOCK_SIZE} == 0 (block_size={block_size}), "

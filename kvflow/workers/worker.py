@@ -4,7 +4,9 @@ Start-up decides what the config left to the hardware: the device (cuda:rank whe
 there), the attention backend ("auto", logged), the number of KV blocks (on CPU from
 kv_cache_memory_gb or a share of free RAM; on CUDA by profiling the largest step, then
 gpu_memory_utilization of the card), and on CUDA torch.compile for the small elementwise
-modules and CUDA graphs for decode steps (both off with enforce_eager).
+modules and CUDA graphs for decode steps (both off with enforce_eager). On CPU the linear
+weights are packed for oneDNN, and the `cpu` backend brings C kernels for attention and the
+elementwise modules (`torch` keeps everything in plain torch ops).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from kvflow.config import EngineConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers.attention_backends import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.layers.attention import Attention
-from kvflow.workers.layers.compile import compile_elementwise
+from kvflow.workers.layers.compile import compile_elementwise, use_cpu_kernels
+from kvflow.workers.layers.linear import cpu_packing_works, pack_cpu_weights
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors
 from kvflow.workers.model_runner import ModelRunner
@@ -50,6 +53,9 @@ class Worker:
         self.device = resolve_device(config.device, self.tp.rank)
         self.dtype = getattr(torch, config.model.dtype)
         self.model = self._build_model()
+        if self.device.type == "cpu" and cpu_packing_works(self.dtype):
+            logger.info("rank %d: %d weights packed for oneDNN", self.tp.rank,
+                        pack_cpu_weights(self.model))
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = self._make_backend()
         compiled = self.device.type == "cuda" and not config.enforce_eager
@@ -58,9 +64,12 @@ class Worker:
                     self.device, self.backend.name,
                     " (auto)" if config.attention_backend == "auto" else "",
                     "decode CUDA graphs + torch.compile" if use_graphs
-                    else "torch.compile" if compiled else "eager")
+                    else "torch.compile" if compiled
+                    else "C elementwise kernels" if self.backend.name == "cpu" else "eager")
         if compiled:
             compile_elementwise(self.model)
+        elif self.backend.name == "cpu":       # its C library also has the elementwise ops
+            use_cpu_kernels(self.model)
         self.runner = ModelRunner(self.model, self.backend, Sampler(config.seed, self.device),
                                   self.tp.rank == 0, self.device, self.dtype)
         self.num_blocks = self._allocate_kv_cache(self._num_blocks())

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.workers.layers.linear import linear
 from kvflow.workers.layers.parallel import TPGroup, narrow
 
 
@@ -38,7 +39,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocab slice, gathered on rank 0 (where sampling happens)."""
 
+    packed: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """A packed copy for the matmul (layers/linear.py); the plain weight stays, as the
+        embedding may share it."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = F.linear(hidden, self.weight)            # [num_tokens, vocab_per_rank]
+        local = linear(hidden, self.weight, self.packed)  # [num_tokens, vocab_per_rank]
         logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, :self.vocab_size]

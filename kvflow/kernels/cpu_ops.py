@@ -1,0 +1,202 @@
+"""CPU kernels in C (cpu_ops.c), loaded with ctypes: paged decode attention, RMSNorm,
+SiLU-and-mul and rotary. Each has a pure-torch reference it is tested against (the torch
+attention backend; layers/norm.py, models/llama.py, layers/rotary.py).
+
+Why C: on CPU a decode step of a small model is hundreds of small torch calls; the attention
+alone was block gathers plus six tiny bmm calls per layer. These kernels do each job in one
+pass over memory, at one call per layer.
+
+The library is compiled once per machine with the system C compiler (`$CC`, else `cc`) into
+`<KVFLOW_CACHE>/kernels/`, named by a hash of its source, the flags, the compiler and the CPU, so
+a changed source or another CPU gets its own build. No compiler, or a failed build: `library()`
+returns None with the reason in `build_error()`, and everything stays on pure torch.
+
+Threads: the library is linked with -fopenmp and loaded after torch, so its `libgomp.so.1` is
+the one torch already loaded, and it runs on torch's OpenMP pool (`torch.set_num_threads`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("kvflow.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None when it cannot be built."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"] = _load(_build())
+            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                _state["lib"], _state["error"] = None, f"{type(exc).__name__}: {exc}"
+                logger.warning("CPU kernels unavailable (%s); using pure torch",
+                               _state["error"])
+        lib = _state["lib"]
+        return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def build_error() -> str | None:
+    """Why `library()` returned None (None when it has not failed)."""
+    error = _state.get("error")
+    return error if isinstance(error, str) else None
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} not on PATH (set CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.blake2b(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                      _cpu_id().encode()]), digest_size=8).hexdigest()
+    cache = Path(os.environ.get("KVFLOW_CACHE") or Path.home() / ".cache" / "kvflow")
+    target = cache / "kernels" / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)            # atomic: concurrent builders race harmlessly
+    logger.info("built the CPU kernels: %s", target)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode": (ctypes.c_int, [ptr] * 6 + [i64] * 7 + [f32, ptr]),
+        "rms_norm": (None, [ptr, i64, ptr, i64, i64, f32, ptr]),
+        "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
+        "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
+    }
+    for op, (restype, argtypes) in signatures.items():
+        for suffix in DTYPES.values():
+            fn = getattr(lib, f"{op}_{suffix}")
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def _fn(op: str, dtype: torch.dtype) -> Any:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+    if dtype not in DTYPES:
+        raise TypeError(f"the CPU kernels take float32 or bfloat16, not {dtype}")
+    return getattr(lib, f"{op}_{DTYPES[dtype]}")
+
+
+def _rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """x as rows of n contiguous elements a fixed stride apart (a copy only when it must)."""
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < n):
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers/norm.py's rms_norm over the last dim."""
+    n = x.shape[-1]
+    rows, stride = _rows(x, n)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    assert weight.dtype == x.dtype and weight.is_contiguous()
+    _fn("rms_norm", x.dtype)(rows.data_ptr(), stride, weight.data_ptr(), rows.shape[0], n,
+                             eps, out.data_ptr())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """models/llama.py's silu_and_mul: silu(first half) * second half of the last dim."""
+    n = x.shape[-1] // 2
+    rows, stride = _rows(x, 2 * n)
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, out.data_ptr())
+    return out
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/rotary.py's apply_rotary; q, k: [num_tokens, heads, head_dim] (strided rows ok).
+    Positions must lie inside the tables (the config caps max_model_len)."""
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    assert cos_table.dtype == sin_table.dtype == torch.float32
+    assert cos_table.is_contiguous() and sin_table.is_contiguous()
+    return _rotate(positions, q, cos_table, sin_table), _rotate(positions, k, cos_table,
+                                                                sin_table)
+
+
+def _rotate(positions: torch.Tensor, x: torch.Tensor, cos_table: torch.Tensor,
+            sin_table: torch.Tensor) -> torch.Tensor:
+    num_tokens, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _fn("rotary", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(),
+                           cos_table.data_ptr(), sin_table.data_ptr(), num_tokens, heads, d,
+                           out.data_ptr())
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           q_rows: torch.Tensor, block_size: int, scale: float,
+                           out: torch.Tensor) -> None:
+    """One query row per request, attending to its whole context in the paged cache.
+
+    q, out: [num_rows, num_heads, head_dim] contiguous; the rows `q_rows` (int64, one per
+    request) of `out` are written. Caches: [num_kv_heads, num_slots, head_dim] (head-major,
+    slot = block id * block_size + offset). block_tables: [num_requests, max_blocks] int32;
+    context_lens: [num_requests] int32, the new token included.
+    """
+    tensors = (q, k_cache, v_cache, block_tables, context_lens, q_rows, out)
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    assert q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == out.dtype == q.dtype
+    assert block_tables.dtype == context_lens.dtype == torch.int32, block_tables.dtype
+    assert q_rows.dtype == torch.int64 and out.shape == q.shape
+    num_seqs, max_blocks = block_tables.shape
+    num_kv_heads, num_slots, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    assert q.shape[2] == head_dim and context_lens.shape == q_rows.shape == (num_seqs,)
+    status = _fn("paged_decode", q.dtype)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), q_rows.data_ptr(), num_seqs, max_blocks, num_heads,
+        num_kv_heads, head_dim, block_size, num_slots, scale, out.data_ptr())
+    if status == 1:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
+                         f"{num_kv_heads}, at most 16 query heads per KV head")
+    if status:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")

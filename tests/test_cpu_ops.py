@@ -1,0 +1,152 @@
+"""kvflow's C kernels for CPU (kvflow/kernels/cpu_ops.c) against the torch code they replace.
+
+References: the torch attention backend (computed in float32 from the same bf16 inputs, so the
+check is of the kernel, not of the reference's own bf16 roundings), and the model's own torch
+functions for RMSNorm, SiLU-and-mul and rotary. Shapes are awkward on purpose: contexts of one
+token and of exact block multiples, head_dim off the specialised sizes, query rows out of order,
+strided inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.kernels import cpu_ops
+from kvflow.workers.attention_backends import (CpuBackend, TorchBackend, cpu_kernels_usable,
+                                               resolve_backend)
+from kvflow.workers.layers.norm import rms_norm
+from kvflow.workers.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.workers.models.llama import silu_and_mul
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: summation order only. bfloat16: one rounding of the output (2^-8 relative).
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_the_kernels_build_here() -> None:
+    """CI's machine has a C compiler: a build failure must fail loudly, not fall back."""
+    assert cpu_ops.library() is not None, cpu_ops.build_error()
+    assert cpu_kernels_usable(torch.bfloat16) is None
+
+
+def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_blocks: int,
+           first_row: int = 0) -> list[tuple[int, int, int, np.ndarray]]:
+    """Requests with shuffled, disjoint block tables; packed rows from first_row on."""
+    perm = np.random.default_rng(1).permutation(num_blocks)
+    spans, used, row = [], 0, first_row
+    for ctx, q_len in zip(context_lens, q_lens):
+        n = -(-ctx // block_size)
+        spans.append((row, q_len, ctx, perm[used:used + n]))
+        used, row = used + n, row + q_len
+    return spans
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128),
+                                                             (8, 2, 48), (6, 1, 16)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_attention_matches_torch(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                        head_dim: int, block_size: int) -> None:
+    context_lens = [1, block_size, 2 * block_size, 37, 130, 3 * block_size + 1]
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 7
+    spans = _spans(context_lens, [1] * len(context_lens), block_size, num_blocks)
+    spans = spans[::-1]                              # rows out of request order
+    slots = np.zeros(len(spans), dtype=np.int64)     # the store is not under test here
+    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
+    ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, spans, []), scale)
+    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots, spans, []), scale)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
+    """Decodes by the kernel and prefills (one with a cached prefix) by the torch path, in one
+    batch with the prefill rows first: every row lands where the torch backend puts it."""
+    bs, kv_heads, heads, d = 16, 3, 9, 64
+    prefills = _spans([40, 70], [40, 22], bs, 64)            # the second has 48 cached tokens
+    decodes = _spans([1, 33, 100], [1, 1, 1], bs, 90, first_row=62)   # reads may share blocks
+    slots = np.zeros(65, dtype=np.int64)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
+    ref = TorchBackend(bs, kv_heads, d, torch.float32, CPU)
+    k_cache = torch.randn(fast.cache_shape(90)).to(dtype)
+    v_cache = torch.randn(fast.cache_shape(90)).to(dtype)
+    q = torch.randn(65, heads, d).to(dtype)
+    out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, decodes, prefills), 0.125)
+    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots, decodes, prefills), 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (300, 576), (7, 40)])
+def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    wide = torch.randn(rows, hidden + 8).to(dtype) * 3
+    x = wide[:, 4:4 + hidden]                        # strided rows
+    weight = (torch.rand(hidden) + 0.5).to(dtype)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5),
+                               **TOL[dtype])
+
+
+def test_rms_norm_per_head_3d() -> None:
+    """Qwen3's q/k norms: a [tokens, heads, head_dim] view of the fused qkv output."""
+    qkv = torch.randn(5, 16 * 12).to(torch.bfloat16)
+    q = qkv[:, :8 * 16].view(5, 8, 16)
+    weight = torch.rand(16).to(torch.bfloat16)
+    out = cpu_ops.rms_norm(q, weight, 1e-6)
+    assert out.shape == (5, 8, 16)
+    torch.testing.assert_close(out, rms_norm(q, weight, 1e-6), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (3, 24)])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> None:
+    x = (torch.randn(rows, 2 * inter) * 4).to(dtype)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_rotary_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
+    rotary = RotaryEmbedding({"rope_theta": 10000.0}, head_dim, 512)
+    heads, kv_heads, tokens = 9, 3, 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)           # strided views,
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 511, 7, 100, 3, 3, 250, 64, 9])    # as the model has them
+    got_q, got_k = cpu_ops.apply_rotary(positions, q, k, rotary.cos, rotary.sin)
+    ref_q, ref_k = apply_rotary(positions, q, k, rotary.cos, rotary.sin)
+    torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+
+
+def test_without_a_compiler_everything_stays_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("CC", "kvflow-no-such-compiler")
+    assert cpu_ops.library() is None
+    assert "kvflow-no-such-compiler" in (cpu_ops.build_error() or "")
+    assert resolve_backend("auto", CPU, 16, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run: the kernels did "
+                                         "not build"):
+        resolve_backend("cpu", CPU, 16, torch.bfloat16)
+
+
+def test_backend_choice_on_cpu() -> None:
+    assert resolve_backend("auto", CPU, 16, torch.bfloat16) == "cpu"
+    assert resolve_backend("auto", CPU, 16, torch.float32) == "cpu"
+    assert resolve_backend("auto", CPU, 16, torch.float16) == "torch"   # no float16 kernels
+    assert resolve_backend("torch", CPU, 16, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run: dtype"):
+        resolve_backend("cpu", CPU, 16, torch.float16)
