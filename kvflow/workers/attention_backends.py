@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from kvflow.config import FLASH_ATTN_BLOCK_SIZE
-from kvflow.kernels.torch_attention import (TorchAttnGroup, cache_shape, group_attention,
-                                            store_kv)
+from kvflow.kernels.torch_attention import (TorchAttnGroup, TorchPrefill, cache_shape,
+                                            group_attention, prefill_attention, store_kv)
 from kvflow.workers.layers.attention import AttentionMetadata
 
 # (first packed row, q_len, context_len, block_ids) of one scheduled request
@@ -80,7 +80,8 @@ class AttentionBackend:
 
 @dataclass(frozen=True)
 class TorchMetadata(AttentionMetadata):
-    groups: list[TorchAttnGroup] = field(default_factory=list)
+    decodes: TorchAttnGroup | None = None
+    prefills: list[TorchPrefill] = field(default_factory=list)
 
 
 class TorchBackend(AttentionBackend):
@@ -91,8 +92,8 @@ class TorchBackend(AttentionBackend):
 
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
                        prefills: list[SeqSpan]) -> TorchMetadata:
-        groups = [self._group(g) for g in (decodes, prefills) if g]
-        return TorchMetadata(self._tensor(slot_mapping), groups)
+        return TorchMetadata(self._tensor(slot_mapping),
+                             self._group(decodes) if decodes else None, self._prefills(prefills))
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -102,9 +103,25 @@ class TorchBackend(AttentionBackend):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert isinstance(meta, TorchMetadata), type(meta)
         out = torch.empty_like(q)
-        for group in meta.groups:
-            group_attention(q, k_cache, v_cache, group, scale, out)
+        if meta.decodes is not None:
+            group_attention(q, k_cache, v_cache, meta.decodes, scale, out)
+        for seq in meta.prefills:
+            prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
         return out
+
+    def _prefills(self, spans: list[SeqSpan]) -> list[TorchPrefill]:
+        """Per request: its blocks, and a mask when a cached prefix shifts the causal diagonal
+        (SDPA's is_causal aligns top-left)."""
+        seqs = []
+        for row, q_len, ctx, blocks in spans:
+            mask = None
+            if q_len != ctx:
+                mask = self._tensor(np.arange(ctx)[None, :]
+                                    <= np.arange(ctx - q_len, ctx)[:, None])
+            seqs.append(TorchPrefill(row, q_len, ctx,
+                                     self._tensor(np.asarray(blocks[:-(-ctx // self.block_size)],
+                                                             dtype=np.int64)), mask))
+        return seqs
 
     # Moved verbatim from ModelRunner._group.
     def _group(self, members: list[tuple[int, int, int, np.ndarray]]) -> TorchAttnGroup:
@@ -148,8 +165,9 @@ class CpuDecode:
 
 
 @dataclass(frozen=True)
-class CpuMetadata(TorchMetadata):
+class CpuMetadata(AttentionMetadata):
     decode: CpuDecode | None = None
+    prefills: list[TorchPrefill] = field(default_factory=list)
 
 
 class CpuBackend(TorchBackend):
@@ -175,8 +193,7 @@ class CpuBackend(TorchBackend):
             decode = CpuDecode(torch.from_numpy(np.asarray([d[0] for d in decodes], np.int64)),
                                torch.from_numpy(table),
                                torch.from_numpy(np.asarray([d[2] for d in decodes], np.int32)))
-        return CpuMetadata(self._tensor(slot_mapping), [self._group(prefills)] if prefills else [],
-                           decode)
+        return CpuMetadata(self._tensor(slot_mapping), decode, self._prefills(prefills))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -187,8 +204,8 @@ class CpuBackend(TorchBackend):
             d = meta.decode
             self._decode(q, k_cache, v_cache, d.block_tables, d.context_lens, d.rows,
                          self.block_size, scale, out)
-        for group in meta.groups:
-            group_attention(q, k_cache, v_cache, group, scale, out)
+        for seq in meta.prefills:
+            prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
         return out
 
 
@@ -377,7 +394,8 @@ class FlashAttnBackend(PagedBackend):
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    "torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}
+    "torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend,
+    "flash_attn": FlashAttnBackend}
 
 
 # --- choosing one --------------------------------------------------------------------------
