@@ -20,7 +20,7 @@ from kvflow.core.engine_core import EngineCore
 from kvflow.core.executor import MultiprocExecutor
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineReady, EngineRequest, FromEngine,
                                  Shutdown, ToEngine, UtilityCall, UtilityResult)
-from kvflow.ipc.process import child_args
+from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class EngineCoreProc:
         self.running = True
 
     def run(self) -> None:
+        startup_done()
         self.output.send(EngineReady(self.core.block_manager.num_blocks,
                                      self.core.block_manager.block_size,
                                      self.core.config.parallel.tensor_parallel_size))

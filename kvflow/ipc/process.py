@@ -4,13 +4,18 @@ user's main script, and with no pickle: the config travels as msgspec bytes on s
 Each child gets the read end of a pipe whose write end only its parent holds: when the parent
 dies, for any reason, the child reads EOF and exits. The parent watches the child through a
 pidfd, which becomes readable when the child exits; both fit in a zmq poll, so nobody spins.
+While a child starts up (loading weights, spawning workers) its main thread polls nothing, so a
+daemon thread blocks on that pipe meanwhile and ends the child at once if the parent goes; once
+the child's main loop runs (`startup_done()`), the loop handles it and cleans up.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import select
 import subprocess
 import sys
+import threading
 
 import msgspec
 
@@ -57,9 +62,29 @@ class Child:
             self.sentinel = -1
 
 
+_started = threading.Event()
+
+
 def child_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, EngineConfig]:
-    """In a child: its arguments, and the config its parent wrote on stdin."""
+    """In a child: its arguments, and the config its parent wrote on stdin. Starts the
+    start-up watch on the parent pipe."""
     parser.add_argument("--parent-fd", type=int, required=True)
     args = parser.parse_args()
+    threading.Thread(target=_watch_parent, args=(args.parent_fd,), daemon=True,
+                     name="kvflow-parent-watch").start()
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
     return args, config
+
+
+def startup_done() -> None:
+    """The child's main loop now watches the parent pipe itself."""
+    _started.set()
+
+
+def _watch_parent(parent_fd: int) -> None:
+    try:
+        select.select([parent_fd], [], [])          # readable only at EOF: the parent is gone
+    except (OSError, ValueError):
+        return
+    if not _started.is_set():
+        os._exit(1)                                  # mid start-up: nothing worth cleaning

@@ -19,7 +19,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.ipc.messages import (ChildFailed, FromWorker, Ping, Pong, Shutdown, StepPlan,
                                  ToWorker, WorkerReady)
-from kvflow.ipc.process import child_args
+from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ def _loop(worker, rank: int, plans: Channel, results: Channel,  # type: ignore[n
     poller = zmq.Poller()
     poller.register(plans.sock, zmq.POLLIN)
     poller.register(parent_fd, zmq.POLLIN)
+    startup_done()
     while True:
         ready = dict(poller.poll())                  # blocks: no spinning
         if parent_fd in ready:
