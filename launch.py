@@ -39,10 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where workers run (auto: cuda:RANK when CUDA is available)")
     parser.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "torch", "triton", "flash_attn"],
+                        choices=["auto", "cpu", "torch", "triton", "flash_attn"],
                         help="paged attention implementation (auto: flash_attn on CUDA when "
                              "installed and --block-size is a multiple of 256, else triton "
-                             "on CUDA, else torch; the choice is logged at start-up)")
+                             "on CUDA; on CPU 'cpu', kvflow's C kernels, built once with "
+                             "$CC or cc, else plain 'torch'; the choice is logged at "
+                             "start-up)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA: no CUDA graphs for decode, no torch.compile")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,

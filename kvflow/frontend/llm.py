@@ -24,8 +24,9 @@ class LLM:
     `launch.py serve`); `in_process=True` runs them in this process, for debugging and tests.
 
     Execution: `device` auto|cpu|cuda (auto: cuda:rank when CUDA is available);
-    `attention_backend` auto|torch|triton|flash_attn (auto: flash_attn on CUDA when installed and
-    block_size % 256 == 0, else triton on CUDA, else torch); `enforce_eager=True` turns CUDA
+    `attention_backend` auto|cpu|torch|triton|flash_attn (auto: flash_attn on CUDA when installed
+    and block_size % 256 == 0, else triton on CUDA; on CPU the C kernels of `cpu` when they
+    build, else plain `torch`); `enforce_eager=True` turns CUDA
     graphs and torch.compile off; on CUDA with `kv_cache_memory_gb=None` the KV cache takes
     what `gpu_memory_utilization` of the card leaves after the weights and a profiling step.
     """

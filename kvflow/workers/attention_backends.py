@@ -91,7 +91,7 @@ class TorchBackend(AttentionBackend):
         return cache_shape(num_blocks, self.block_size, *self.kv_shape)
 
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
-                       prefills: list[SeqSpan]) -> TorchMetadata:
+                       prefills: list[SeqSpan]) -> AttentionMetadata:
         return TorchMetadata(self._tensor(slot_mapping),
                              self._group(decodes) if decodes else None, self._prefills(prefills))
 
