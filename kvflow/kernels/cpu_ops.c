@@ -122,15 +122,9 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
         const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + seq * max_blocks;                               \
-        /* Constant head_dim and group sizes let the compiler keep rows in registers. */      \
-        if (D == 64 && group == 3)                                                            \
-            TASK(qf, k_head, v_head, table, ctx, block_size, 3, 64, scores, acc);            \
-        else if (D == 64 && group == 4)                                                       \
-            TASK(qf, k_head, v_head, table, ctx, block_size, 4, 64, scores, acc);            \
-        else if (D == 64)                                                                     \
+        /* A constant head_dim lets the compiler unroll and vectorise the row loops. */      \
+        if (D == 64)                                                                          \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 64, scores, acc);        \
-        else if (D == 128 && group == 4)                                                      \
-            TASK(qf, k_head, v_head, table, ctx, block_size, 4, 128, scores, acc);           \
         else if (D == 128)                                                                    \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 128, scores, acc);       \
         else                                                                                  \

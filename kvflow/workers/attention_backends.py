@@ -37,6 +37,15 @@ from kvflow.workers.layers.attention import AttentionMetadata
 SeqSpan = tuple[int, int, int, np.ndarray]
 
 
+def block_tables(spans: list[SeqSpan], block_size: int) -> np.ndarray:
+    """[batch, max_blocks] int32; past a request's last block: 0 (any valid block id)."""
+    num_blocks = [-(-ctx // block_size) for _, _, ctx, _ in spans]
+    table = np.zeros((len(spans), max(num_blocks)), dtype=np.int32)
+    for i, (n, (_, _, _, blocks)) in enumerate(zip(num_blocks, spans)):
+        table[i, :n] = blocks[:n]
+    return table
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array as a tensor on `device`; on CUDA through pinned memory, without waiting
     (the caching host allocator keeps the pinned block alive until the copy is done)."""
@@ -80,7 +89,7 @@ class AttentionBackend:
 
 @dataclass(frozen=True)
 class TorchMetadata(AttentionMetadata):
-    decodes: TorchAttnGroup | None = None
+    decodes: object = None          # the backend's decode metadata (TorchAttnGroup, CpuDecode)
     prefills: list[TorchPrefill] = field(default_factory=list)
 
 
@@ -91,9 +100,10 @@ class TorchBackend(AttentionBackend):
         return cache_shape(num_blocks, self.block_size, *self.kv_shape)
 
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
-                       prefills: list[SeqSpan]) -> AttentionMetadata:
+                       prefills: list[SeqSpan]) -> TorchMetadata:
         return TorchMetadata(self._tensor(slot_mapping),
-                             self._group(decodes) if decodes else None, self._prefills(prefills))
+                             self._decode_metadata(decodes) if decodes else None,
+                             self._prefills(prefills))
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -102,12 +112,21 @@ class TorchBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert isinstance(meta, TorchMetadata), type(meta)
+        q = q.contiguous()
         out = torch.empty_like(q)
         if meta.decodes is not None:
-            group_attention(q, k_cache, v_cache, meta.decodes, scale, out)
+            self._decode(q, k_cache, v_cache, meta.decodes, scale, out)
         for seq in meta.prefills:
             prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
         return out
+
+    def _decode_metadata(self, decodes: list[SeqSpan]) -> object:
+        return self._group(decodes)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                decodes: object, scale: float, out: torch.Tensor) -> None:
+        assert isinstance(decodes, TorchAttnGroup)
+        group_attention(q, k_cache, v_cache, decodes, scale, out)
 
     def _prefills(self, spans: list[SeqSpan]) -> list[TorchPrefill]:
         """Per request: its blocks, and a mask when a cached prefix shifts the causal diagonal
@@ -164,12 +183,6 @@ class CpuDecode:
     context_lens: torch.Tensor     # [batch] int32, the new token included
 
 
-@dataclass(frozen=True)
-class CpuMetadata(AttentionMetadata):
-    decode: CpuDecode | None = None
-    prefills: list[TorchPrefill] = field(default_factory=list)
-
-
 class CpuBackend(TorchBackend):
     """The torch backend's cache and prefills; decodes read the paged cache in place with
     kvflow/kernels/cpu_ops.c (no gathers, no per-head bmm calls). float32 and bfloat16."""
@@ -179,34 +192,18 @@ class CpuBackend(TorchBackend):
                  device: torch.device) -> None:
         super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
         from kvflow.kernels.cpu_ops import paged_decode_attention
-        self._decode = paged_decode_attention
+        self._kernel = paged_decode_attention
 
-    def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
-                       prefills: list[SeqSpan]) -> CpuMetadata:
-        decode = None
-        if decodes:
-            table = np.zeros((len(decodes), max(-(-ctx // self.block_size)
-                                                for _, _, ctx, _ in decodes)), dtype=np.int32)
-            for i, (_, _, ctx, blocks) in enumerate(decodes):
-                n = -(-ctx // self.block_size)
-                table[i, :n] = blocks[:n]
-            decode = CpuDecode(torch.from_numpy(np.asarray([d[0] for d in decodes], np.int64)),
-                               torch.from_numpy(table),
-                               torch.from_numpy(np.asarray([d[2] for d in decodes], np.int32)))
-        return CpuMetadata(self._tensor(slot_mapping), decode, self._prefills(prefills))
+    def _decode_metadata(self, decodes: list[SeqSpan]) -> CpuDecode:
+        return CpuDecode(torch.from_numpy(np.asarray([d[0] for d in decodes], np.int64)),
+                         torch.from_numpy(block_tables(decodes, self.block_size)),
+                         torch.from_numpy(np.asarray([d[2] for d in decodes], np.int32)))
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert isinstance(meta, CpuMetadata), type(meta)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        if meta.decode is not None:
-            d = meta.decode
-            self._decode(q, k_cache, v_cache, d.block_tables, d.context_lens, d.rows,
-                         self.block_size, scale, out)
-        for seq in meta.prefills:
-            prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
-        return out
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                decodes: object, scale: float, out: torch.Tensor) -> None:
+        assert isinstance(decodes, CpuDecode)
+        self._kernel(q, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+                     decodes.rows, self.block_size, scale, out)
 
 
 def cpu_kernels_usable(dtype: torch.dtype) -> str | None:
@@ -304,14 +301,6 @@ class PagedBackend(AttentionBackend):
 
     # --- metadata from the runner's per-request spans --------------------------------------
 
-    def _block_tables(self, spans: list[SeqSpan]) -> np.ndarray:
-        """[batch, max_blocks] int32; past a request's last block: 0 (any valid block id)."""
-        num_blocks = [-(-ctx // self.block_size) for _, _, ctx, _ in spans]
-        table = np.zeros((len(spans), max(num_blocks)), dtype=np.int32)
-        for i, (n, (_, _, _, blocks)) in enumerate(zip(num_blocks, spans)):
-            table[i, :n] = blocks[:n]
-        return table
-
     def _rows(self, spans: list[SeqSpan]) -> Rows:
         """The spans' packed rows: a slice when they are adjacent and in order (the usual case:
         the scheduler runs decodes first), else gather indices."""
@@ -327,7 +316,7 @@ class PagedBackend(AttentionBackend):
         if not spans:
             return None
         context_lens = np.asarray([ctx for _, _, ctx, _ in spans], dtype=np.int32)
-        return DecodePart(self._rows(spans), self._tensor(self._block_tables(spans)),
+        return DecodePart(self._rows(spans), self._tensor(block_tables(spans, self.block_size)),
                           self._tensor(context_lens))
 
     def _prefill_part(self, spans: list[SeqSpan]) -> PrefillPart | None:
@@ -337,7 +326,7 @@ class PagedBackend(AttentionBackend):
         context_lens = np.asarray([ctx for _, _, ctx, _ in spans], dtype=np.int32)
         cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(context_lens)]).astype(np.int32)
-        return PrefillPart(self._rows(spans), self._tensor(self._block_tables(spans)),
+        return PrefillPart(self._rows(spans), self._tensor(block_tables(spans, self.block_size)),
                            self._tensor(context_lens), self._tensor(cu_q), self._tensor(cu_k),
                            int(q_lens.max()), int(context_lens.max()))
 

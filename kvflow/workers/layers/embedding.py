@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.workers.layers.linear import linear
+from kvflow.workers.layers.linear import linear, onednn_packed
 from kvflow.workers.layers.parallel import TPGroup, narrow
 
 
@@ -44,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_weight(self) -> None:
         """A packed copy for the matmul (layers/linear.py); the plain weight stays, as the
         embedding may share it."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
+        self.packed = onednn_packed(self.weight.data)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = linear(hidden, self.weight, self.packed)  # [num_tokens, vocab_per_rank]

@@ -31,6 +31,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout, for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+
 def cpu_packing_works(dtype: torch.dtype) -> bool:
     """Whether this torch can pack weights for `dtype` and gets F.linear's result from them."""
     mkldnn = torch.ops.mkldnn
@@ -41,8 +46,7 @@ def cpu_packing_works(dtype: torch.dtype) -> bool:
     w = torch.randn(48, 40, generator=gen).to(dtype)
     x = torch.randn(5, 40, generator=gen).to(dtype)
     try:
-        packed = mkldnn._reorder_linear_weight(w, 64)
-        got = linear(x, w, packed)
+        got = linear(x, w, onednn_packed(w))
     except RuntimeError as exc:                      # built without oneDNN's kernels, etc.
         logger.info("CPU weight packing unavailable: %s", exc)
         return False
@@ -57,7 +61,17 @@ def pack_cpu_weights(model: nn.Module) -> int:
     return len(packers)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A weight that `pack_weight` can swap for its packed copy (the plain one is freed)."""
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        self.packed = onednn_packed(self.weight.data)
+        self.weight.data = self.weight.data.new_empty(0)   # only the packed copy is used
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -71,11 +85,6 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             self.bias.weight_loader = self.load_shard  # type: ignore[attr-defined]
-        self.packed: torch.Tensor | None = None
-
-    def pack_weight(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
-        self.weight.data = self.weight.data.new_empty(0)   # only the packed copy is used
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         n = self.out_per_rank
@@ -132,7 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(narrow(source, 0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -146,11 +155,6 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = load_full  # type: ignore[attr-defined]
-        self.packed: torch.Tensor | None = None
-
-    def pack_weight(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
-        self.weight.data = self.weight.data.new_empty(0)
 
     def load_shard(self, param: nn.Parameter, source: Any, shard_id: Any = None) -> None:
         n = self.in_per_rank
