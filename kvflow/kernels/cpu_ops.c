@@ -100,9 +100,153 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(KVFLOW_NO_AVX512)
+/* --- AVX-512 BF16 path (bf16 cache, head_dim a multiple of 32) ------------------------------
+ * Scores: vdpbf16ps multiplies bf16 pairs exactly and sums them in float32, so q and K stay in
+ * bf16 and no K row is converted. Sixteen keys are scored at a time and their sixteen partial
+ * vectors summed by one transpose tree, not a horizontal reduction per key. Softmax in float32;
+ * the weighted sum of V rows in float32 with the accumulators in registers. */
+#include <immintrin.h>
+#define KVFLOW_AVX512_BF16 1
+
+static inline void prefetch_l2(const void *start, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch((const char *)start + off, 0, 1);
+}
+
+/* r[j] = sum of the lanes of v[j], for 16 vectors. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)      /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {    /* per 128-bit lane: that lane's sums of 4 vectors */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)      /* add 128-bit lanes pairwise */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+/* Walks a request's keys in order: the row of key t lies at table[t / bs] * bs + t % bs. */
+typedef struct { const int32_t *table; int64_t bs, blk, off, D; } KeyWalk;
+
+static inline int64_t next_row(KeyWalk *w) {     /* element offset of the next key's row */
+    const int64_t row = ((int64_t)w->table[w->blk] * w->bs + w->off) * w->D;
+    if (++w->off == w->bs) { w->off = 0; w->blk++; }
+    return row;
+}
+
+/* acc[g] += p[g][t] * V[t] over all keys, for G query heads and C*16 columns from dc on. */
+static inline __attribute__((always_inline)) void weighted_v(
+        const uint16_t *v_head, const int32_t *table, int64_t ctx, int64_t bs, int64_t D,
+        const float *scores, int64_t ctx16, const float *inv_sum, int64_t dc,
+        uint16_t *out, const int G, const int C) {
+    __m512 acc[4][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
+    KeyWalk w = {table, bs, 0, 0, D};
+    for (int64_t t = 0; t < ctx; t++) {
+        const uint16_t *row = v_head + next_row(&w) + dc;
+        __m512 v[4];
+        for (int c = 0; c < C; c++) v[c] = load_bf16x16(row + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * ctx16 + t]);
+            for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C; c++) {
+            const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+            _mm256_storeu_si256((__m256i *)(out + g * D + dc + 16 * c), (__m256i)o);
+        }
+    }
+}
+
+/* One (request, KV head) pair. q, out: [group, D] bf16; scores: [group, ctx16] scratch. */
+static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
+                               const uint16_t *v_head, const int32_t *table, int64_t ctx,
+                               int64_t bs, int64_t group, int64_t D, float scale,
+                               float *scores, uint16_t *out) {
+    const int64_t ctx16 = (ctx + 15) & ~(int64_t)15, nc = D / 32;
+    __m512 vmax[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) vmax[g] = _mm512_set1_ps(-FLT_MAX);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* Blocks lie where the allocator put them. Within a run of consecutive blocks the
+     * hardware prefetcher streams; the first block of each run is fetched ahead into L2 here,
+     * K and V both, so that no jump waits a full memory latency. */
+    for (int64_t b = 0; b < (ctx + bs - 1) / bs; b++)
+        if (b == 0 || table[b] != table[b - 1] + 1) {
+            prefetch_l2(k_head + (int64_t)table[b] * bs * D, bs * D * (int64_t)sizeof(uint16_t));
+            prefetch_l2(v_head + (int64_t)table[b] * bs * D, bs * D * (int64_t)sizeof(uint16_t));
+        }
+    KeyWalk w = {table, bs, 0, 0, D};
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = ctx - t0 < 16 ? ctx - t0 : 16;
+        const uint16_t *rows[16];
+        for (int64_t j = 0; j < n; j++) rows[j] = k_head + next_row(&w);
+        for (int64_t j = n; j < 16; j++) rows[j] = rows[n - 1];  /* padding, masked below */
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        for (int64_t g = 0; g < group; g++) {
+            __m512bh qv[8];
+            for (int64_t c = 0; c < nc; c++)
+                qv[c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+            __m512 part[16];
+            for (int j = 0; j < 16; j++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < nc; c++)
+                    a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
+                part[j] = a;
+            }
+            __m512 s = _mm512_mul_ps(sum16(part), vscale);
+            s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), s);
+            _mm512_storeu_ps(scores + g * ctx16 + t0, s);
+            vmax[g] = _mm512_max_ps(vmax[g], s);
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * ctx16, sum = 0.0f;
+        const float m = _mm512_reduce_max_ps(vmax[g]);
+        _Pragma("omp simd reduction(+:sum)")
+        for (int64_t j = 0; j < ctx; j++) { sg[j] = expf(sg[j] - m); sum += sg[j]; }
+        inv_sum[g] = 1.0f / sum;
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+        for (int64_t dc = 0; dc < D; dc += 64) {
+            const float *sc = scores + g0 * ctx16;
+            uint16_t *o = out + g0 * D;
+            const int wide = D - dc >= 64;
+#define WEIGHTED_V(G) (wide ? weighted_v(v_head, table, ctx, bs, D, sc, ctx16, inv_sum + g0,     \
+                                         dc, o, G, 4)                                           \
+                            : weighted_v(v_head, table, ctx, bs, D, sc, ctx16, inv_sum + g0,     \
+                                         dc, o, G, 2))
+            switch (gn) {
+                case 1: WEIGHTED_V(1); break;
+                case 2: WEIGHTED_V(2); break;
+                case 3: WEIGHTED_V(3); break;
+                default: WEIGHTED_V(4); break;
+            }
+#undef WEIGHTED_V
+        }
+    }
+}
+#endif
+
 /* q, out: [num_rows, num_heads, D]; q_rows[i]: the row of request i; block_tables:
  * [num_seqs, max_blocks] int32; context_lens[i]: keys visible to request i (its new one too). */
-#define DEFINE_KERNEL(NAME, TASK, T, LOAD, STORE)                                             \
+#define DEFINE_KERNEL(NAME, TASK, T, LOAD, STORE, FAST)                                       \
 DEFINE_TASK(TASK, T, LOAD)                                                                    \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,         \
          const int32_t *context_lens, const int64_t *q_rows, int64_t num_seqs,               \
@@ -114,14 +258,19 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {                          \
         const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;                  \
-        const int64_t ctx = context_lens[seq], D = head_dim;                                  \
-        float *qf = malloc(sizeof(float) * (size_t)(group * (2 * D + ctx)));                 \
+        const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
+        float *qf = malloc(sizeof(float) * (size_t)(group * (2 * D + ctx16)));               \
         if (qf == NULL) { failed = 1; continue; }                                            \
         float *acc = qf + group * D, *scores = acc + group * D;                               \
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
-        for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
+        T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + seq * max_blocks;                               \
+        if (FAST(q_seq, k_head, v_head, table, ctx, block_size, group, D, scale, qf, o_seq)) { \
+            free(qf);                                                                         \
+            continue;                                                                         \
+        }                                                                                     \
+        for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
         /* A constant head_dim lets the compiler unroll and vectorise the row loops. */      \
         if (D == 64)                                                                          \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 64, scores, acc);        \
@@ -129,15 +278,25 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
             TASK(qf, k_head, v_head, table, ctx, block_size, group, 128, scores, acc);       \
         else                                                                                  \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, D, scores, acc);         \
-        T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         for (int64_t i = 0; i < group * D; i++) o_seq[i] = STORE(acc[i]);                    \
         free(qf);                                                                             \
     }                                                                                         \
     return failed ? 2 : 0;                                                                    \
 }
 
-DEFINE_KERNEL(paged_decode_bf16, decode_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_KERNEL(paged_decode_f32, decode_task_f32, float, f32_to_f32, f32_to_f32)
+/* FAST(...) runs a task on a faster path and is true, or is false and leaves it to TASK. */
+#define NO_FAST_PATH(...) 0
+#ifdef KVFLOW_AVX512_BF16
+#define AVX512_BF16_PATH(q, k, v, table, ctx, bs, group, D, scale, scratch, out)              \
+    ((D) % 32 == 0 && (D) <= 256                                                              \
+     && (decode_task_avx512(q, k, v, table, ctx, bs, group, D, scale, scratch, out), 1))
+#else
+#define AVX512_BF16_PATH NO_FAST_PATH
+#endif
+
+DEFINE_KERNEL(paged_decode_bf16, decode_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16,
+              AVX512_BF16_PATH)
+DEFINE_KERNEL(paged_decode_f32, decode_task_f32, float, f32_to_f32, f32_to_f32, NO_FAST_PATH)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions
