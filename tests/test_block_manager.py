@@ -4,7 +4,7 @@ Block size 4 throughout, so block i of a request holds tokens [4*i, 4*i + 4).
 """
 from __future__ import annotations
 
-from kvflow.core.block_manager import BlockManager
+from kvflow.core.block_manager import RESERVED, BlockManager
 from kvflow.core.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -49,6 +49,7 @@ def assert_all_free(bm: BlockManager) -> None:
     assert bm.total_refs == 0
     assert bm.ref_counts == [0] * bm.num_blocks
     assert bm.num_free_blocks == bm.num_blocks
+    assert bm.reservations == {} and bm.empty.count(RESERVED) == 0
     bm.check()
 
 
@@ -174,20 +175,103 @@ def test_a_reused_prefix_becomes_most_recently_used() -> None:
     a_blocks, b_blocks = first_blocks(bm, a_tokens), first_blocks(bm, b_tokens)
     assert list(bm.free_blocks) == a_blocks[::-1] + b_blocks[::-1]
     # d reuses a's first two blocks (its third block evicts a's tail), then is freed:
-    # a's head is now the most recently freed, b the least.
+    # a's head is now the most recently freed, b the least. d's third block held only a
+    # partial block, so it comes back empty, not cached.
     d = make_request(a_tokens[:8] + [1], "d")
     admit_and_compute(bm, d)
     assert d.block_ids == a_blocks
     bm.free(d)
-    assert list(bm.free_blocks) == b_blocks[::-1] + a_blocks[::-1]
-    # 3 new blocks evict all of b although b was freed after a.
+    assert list(bm.free_blocks) == b_blocks[::-1] + a_blocks[:2][::-1]
+    assert bm.empty[a_blocks[2]] and bm.num_empty == 1
+    # 3 new blocks: the empty one, then two evictions, both from b although b was freed
+    # after a: b's head survives, a's two blocks too.
     e = make_request(list(range(700, 712)), "e")
     assert bm.allocate(e, 12)
+    assert e.block_ids == [a_blocks[2], b_blocks[2], b_blocks[1]]
     assert num_hits(bm, a_tokens + [1]) == 2
+    assert num_hits(bm, b_tokens + [1]) == 1
+    assert bm.allocate(make_request(list(range(800, 804)), "f"), 4)
     assert num_hits(bm, b_tokens + [1]) == 0
 
 
 # --- allocation --------------------------------------------------------------------------
+
+def test_empty_blocks_are_used_before_any_cached_block_is_evicted() -> None:
+    bm = make_bm(6)
+    a = make_request(list(range(9)), "a")              # 2 full blocks + 1 partial
+    admit_and_compute(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 6 and len(bm.free_blocks) == 2 and bm.num_empty == 4
+    b = make_request(list(range(100, 116)), "b")       # 4 blocks: exactly the empty ones
+    assert bm.allocate(b, 16)
+    assert not set(b.block_ids) & set(a.block_ids[:2]) and num_hits(bm, list(range(9))) == 2
+    assert bm.allocate(make_request([7] * 4, "c"), 4)  # now the LRU cached block goes
+    assert num_hits(bm, list(range(9))) == 1
+
+
+def grow(bm: BlockManager, request: Request, num_tokens: int) -> None:
+    """Decode steps: one token at a time, as the scheduler allocates them."""
+    for _ in range(num_tokens):
+        request.token_ids.append(1)
+        assert bm.allocate(request, 1)
+        request.num_computed_tokens += 1
+
+
+def runs(block_ids: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(block_ids, block_ids[1:]))
+
+
+def test_interleaved_growing_requests_keep_their_blocks_consecutive() -> None:
+    # Four requests admitted together, then decoding in lockstep: each reserved room for its
+    # prompt + max_tokens when it started, so each stays one run of consecutive blocks.
+    bm = make_bm(64)
+    requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 6)),
+                        SamplingParams(max_tokens=30)) for i in range(4)]
+    for r in requests:
+        admit_and_compute(bm, r)
+    for _ in range(30 - 1):
+        for r in requests:
+            grow(bm, r, 1)
+    for r in requests:
+        assert len(r.block_ids) == 9 and runs(r.block_ids) == 1, r.block_ids
+    assert bm.num_free_blocks == 64 - 36
+    bm.check()
+    for r in requests:
+        bm.free(r)
+    assert bm.reservations == {} and bm.empty.count(RESERVED) == 0
+    assert_all_free(bm)
+
+
+def test_reservations_never_make_an_allocation_fail() -> None:
+    # a reserves room for 8 blocks; b then needs everything else, reserved room included.
+    bm = make_bm(8)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=29))
+    admit_and_compute(bm, a)
+    assert len(a.block_ids) == 1 and bm.empty.count(RESERVED) == 7
+    b = make_request(list(range(100, 128)), "b")       # 7 blocks
+    assert bm.allocate(b, 28)
+    assert bm.num_free_blocks == 0 and not set(a.block_ids) & set(b.block_ids)
+    assert not bm.allocate(make_request([5], "c"), 1)
+    bm.check()
+    bm.free(a)
+    bm.free(b)
+    assert_all_free(bm)
+
+
+def test_prefix_caching_disabled_still_places_runs() -> None:
+    bm = make_bm(32, prefix_caching=False)
+    a = Request("a", list(range(6)), SamplingParams(max_tokens=20))
+    b = Request("b", list(range(50, 56)), SamplingParams(max_tokens=20))
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    for _ in range(19):
+        grow(bm, a, 1)
+        grow(bm, b, 1)
+    assert runs(a.block_ids) == runs(b.block_ids) == 1
+    bm.free(a)
+    bm.free(b)
+    assert_all_free(bm)
+
 
 def test_allocate_counts_exact_blocks_for_a_growing_request() -> None:
     bm = make_bm(8)

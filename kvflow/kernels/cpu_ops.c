@@ -370,3 +370,30 @@ DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_f32, f32_to_f32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_to_f32, f32_to_f32)
+
+/* Row-wise argmax, the first index of the largest value (torch.argmax's rule; logits are never
+ * NaN here). Chunks of 256 are reduced by vector max; the first chunk holding the row's max is
+ * then scanned for its index, so the whole row is read once and one chunk twice. */
+#define ARGMAX_CHUNK 256
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                          \
+void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {               \
+    PARALLEL_IF(rows * n)                                                                     \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const T *xr = x + r * stride;                                                         \
+        float best = -FLT_MAX;                                                                \
+        int64_t best_start = 0;                                                               \
+        for (int64_t start = 0; start < n; start += ARGMAX_CHUNK) {                           \
+            const int64_t end = n - start < ARGMAX_CHUNK ? n : start + ARGMAX_CHUNK;          \
+            float m = -FLT_MAX;                                                               \
+            _Pragma("omp simd reduction(max:m)")                                              \
+            for (int64_t i = start; i < end; i++) m = LOAD(xr[i]) > m ? LOAD(xr[i]) : m;      \
+            if (m > best) { best = m; best_start = start; }                                   \
+        }                                                                                     \
+        int64_t i = best_start;                                                               \
+        while (i < n - 1 && LOAD(xr[i]) != best) i++;                                         \
+        out[r] = i;                                                                           \
+    }                                                                                         \
+}
+
+DEFINE_ARGMAX(argmax_bf16, uint16_t, bf16_to_f32)
+DEFINE_ARGMAX(argmax_f32, float, f32_to_f32)

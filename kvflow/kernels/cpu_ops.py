@@ -1,5 +1,5 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged decode attention, RMSNorm,
-SiLU-and-mul and rotary. Each has a pure-torch reference it is tested against (the torch
+SiLU-and-mul, rotary and the sampler's row argmax. Each has a pure-torch reference it is tested against (the torch
 attention backend; layers/norm.py, models/llama.py, layers/rotary.py).
 
 Why C: on CPU a decode step of a small model is hundreds of small torch calls; the attention
@@ -102,6 +102,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "rms_norm": (None, [ptr, i64, ptr, i64, i64, f32, ptr]),
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
+        "argmax": (None, [ptr, i64, i64, i64, ptr]),
     }
     for op, (restype, argtypes) in signatures.items():
         for suffix in DTYPES.values():
@@ -144,6 +145,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, stride = _rows(x, 2 * n)
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
     _fn("silu_and_mul", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, out.data_ptr())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for NaN-free x (the first index of the max), as int64."""
+    n = x.shape[-1]
+    rows, stride = _rows(x, n)
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    _fn("argmax", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, out.data_ptr())
     return out
 
 

@@ -88,7 +88,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         result = StepResult([], [])
         if self.is_driver and logits is not None:
-            ids, logprobs = self.sampler(logits.float(), inputs.sampling)
+            ids, logprobs = self.sampler(logits, inputs.sampling)
             result = StepResult(inputs.sampled_ids, ids, logprobs)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
@@ -168,7 +168,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
         if logits is not None:                        # a throwaway sampler: no RNG state used
             params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)] * max_num_seqs
-            Sampler(0, self.device)(logits.float(), SamplingBatch(params, [0] * max_num_seqs))
+            Sampler(0, self.device)(logits, SamplingBatch(params, [0] * max_num_seqs))
 
     def profile_num_blocks(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         seq_len, num_seqs = self._profile_shape(num_tokens, max_num_seqs, max_model_len)

@@ -9,6 +9,7 @@ depend on what else is in the batch, nor on preemption. Everything runs on the l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,18 +42,26 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
 
 
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
+        self.argmax = argmax        # row argmax, first index of the max (the C one on CPU)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
-        """logits: [batch, vocab] float32 -> sampled ids and (if any asked) logprob dicts."""
+        """logits: [batch, vocab], any float dtype -> sampled ids and (if any asked) logprob
+        dicts. Greedy rows take the argmax of the logits as they are (a bf16 -> float32 cast
+        is exact, so it cannot change it); draws and logprobs are computed in float32."""
         params = batch.params
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self.argmax(logits)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            drawn = self._draw(logits, batch)
+            drawn = self._draw(logits.float(), batch)
             token_ids = torch.where(greedy, token_ids, drawn)
         ids = token_ids.tolist()
         return ids, self._logprobs(logits, params, ids)
@@ -82,7 +91,7 @@ class Sampler:
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return None
-        logprobs = logits.log_softmax(dim=-1)                              # raw, unmasked
+        logprobs = logits.float().log_softmax(dim=-1)                      # raw, unmasked
         top_values, top_ids = logprobs.topk(max(k or 0 for k in wanted) or 1, dim=-1)
         out = []
         for i, k in enumerate(wanted):

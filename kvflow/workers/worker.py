@@ -70,8 +70,12 @@ class Worker:
             compile_elementwise(self.model)
         elif self.backend.name == "cpu":       # its C library also has the elementwise ops
             use_cpu_kernels(self.model)
-        self.runner = ModelRunner(self.model, self.backend, Sampler(config.seed, self.device),
-                                  self.tp.rank == 0, self.device, self.dtype)
+        sampler = Sampler(config.seed, self.device)
+        if self.backend.name == "cpu":
+            from kvflow.kernels.cpu_ops import argmax
+            sampler.argmax = argmax
+        self.runner = ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0,
+                                  self.device, self.dtype)
         self.num_blocks = self._allocate_kv_cache(self._num_blocks())
         if use_graphs:
             self._capture_cuda_graphs()
