@@ -48,12 +48,28 @@ def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_bloc
     return spans
 
 
+@pytest.fixture(params=["native", "portable"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: on the library as built for this CPU (its AVX-512 BF16 decode path
+    where the CPU has one), and on a build without it (-DKVFLOW_NO_AVX512), the C code every
+    other CPU runs."""
+    if request.param == "portable":
+        lib = cpu_ops._load(cpu_ops._build(("-DKVFLOW_NO_AVX512",)))
+        monkeypatch.setattr(cpu_ops, "_state", {"lib": lib})
+    return str(request.param)
+
+
+# Head shapes: SmolLM2's (9, 3, 64); head_dim 96 ends on half an accumulator tile and group 5
+# spans two tiles of query heads in the AVX-512 path; 48 and 16 are not multiples of 32.
+HEAD_SHAPES = [(9, 3, 64), (4, 4, 128), (10, 2, 96), (8, 2, 48), (6, 1, 16)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128),
-                                                             (8, 2, 48), (6, 1, 16)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_attention_matches_torch(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                                        head_dim: int, block_size: int) -> None:
+def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, num_heads: int,
+                                        num_kv_heads: int, head_dim: int,
+                                        block_size: int) -> None:
     context_lens = [1, block_size, 2 * block_size, 37, 130, 3 * block_size + 1]
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 7
     spans = _spans(context_lens, [1] * len(context_lens), block_size, num_blocks)
@@ -72,7 +88,7 @@ def test_decode_attention_matches_torch(dtype: torch.dtype, num_heads: int, num_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
+def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype) -> None:
     """Decodes by the kernel and prefills (one with a cached prefix) by the torch path, in one
     batch with the prefill rows first: every row lands where the torch backend puts it."""
     bs, kv_heads, heads, d = 16, 3, 9, 64
@@ -130,6 +146,22 @@ def test_rotary_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
     ref_q, ref_k = apply_rotary(positions, q, k, rotary.cos, rotary.sin)
     torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_matches_torch(dtype: torch.dtype) -> None:
+    """Greedy sampling's argmax: first index of the max, ties across and inside the 256-wide
+    chunks the kernel reduces, a max in a short last chunk, strided rows, one-element rows."""
+    x = torch.randn(6, 49152 + 3).to(dtype)
+    top = x.max() + 1
+    x[0, -1] = top                                   # in the short last chunk
+    x[1, 300] = x[1, 5000] = top                     # tie across chunks: the first wins
+    x[2, 257] = x[2, 260] = top                      # tie inside a chunk
+    x[3, 0] = top
+    x[4] = 0.0                                       # all equal: index 0
+    for logits in (x, x[:, 1:-1], x[:, :1], x[:0]):
+        torch.testing.assert_close(cpu_ops.argmax(logits), logits.argmax(dim=-1),
+                                   rtol=0, atol=0)
 
 
 def test_without_a_compiler_everything_stays_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,6 +111,25 @@ def test_greedy_rows_are_argmax() -> None:
     assert all_greedy == argmax
 
 
+def test_bf16_logits_give_the_float32_results() -> None:
+    """The runner hands the LM head's logits over as they are: greedy rows take their argmax
+    directly (torch's, and the CPU kernel's when the cpu backend runs); draws and logprobs are
+    computed from float32 copies, so a bf16 batch gives exactly the float32 batch's results."""
+    from kvflow.kernels import cpu_ops
+    logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(9)) * 3).bfloat16()
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1            # a tie: the first wins
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, logprobs=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=6),
+              SamplingParams(temperature=0.0)]
+    expected = sample(logits.float(), params, seed=3)
+    assert sample(logits, params, seed=3) == expected
+    assert expected[0][1] == 7
+    if cpu_ops.library() is not None:
+        sampler = Sampler(3, argmax=cpu_ops.argmax)
+        assert sampler(logits, SamplingBatch(params, [0] * 6)) == expected
+
+
 def test_sampled_tokens_are_always_allowed_by_the_masks() -> None:
     gen = torch.Generator().manual_seed(3)
     grid = [(0.7, 5, 1.0, 0.0), (1.0, -1, 0.6, 0.0), (1.3, -1, 1.0, 0.3), (1.0, 8, 0.9, 0.1)]

@@ -69,14 +69,17 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build() -> Path:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile (or find the cached build of) the library; extra_flags: e.g. the tests'
+    -DKVFLOW_NO_AVX512, which builds the portable code paths on any CPU."""
+    flags = FLAGS + list(extra_flags)
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not on PATH (set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     source = SOURCE.read_bytes()
-    key = hashlib.blake2b(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.blake2b(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                       _cpu_id().encode()]), digest_size=8).hexdigest()
     cache = Path(os.environ.get("KVFLOW_CACHE") or Path.home() / ".cache" / "kvflow")
     target = cache / "kernels" / f"cpu_ops-{key}.so"
@@ -85,7 +88,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
