@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvflow.kernels import cpu_ops
+from kvflow.kernels.torch_attention import store_kv as torch_store_kv
 from kvflow.workers.attention_backends import (CpuBackend, TorchBackend, cpu_kernels_usable,
                                                resolve_backend)
 from kvflow.workers.layers.norm import rms_norm
@@ -146,6 +147,22 @@ def test_rotary_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
     ref_q, ref_k = apply_rotary(positions, q, k, rotary.cos, rotary.sin)
     torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 700])
+def test_store_kv_matches_torch(dtype: torch.dtype, num_tokens: int) -> None:
+    """K and V as the model hands them over: strided views of the fused qkv output."""
+    heads, kv_heads, d, num_slots = 9, 3, 64, 1024
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d).to(dtype)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(num_tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(num_tokens, kv_heads, d)
+    slots = torch.randperm(num_slots)[:num_tokens]              # scattered, out of order
+    got = [torch.randn(kv_heads, num_slots, d).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in got]
+    cpu_ops.store_kv(k, v, got[0], got[1], slots)
+    torch_store_kv(k, v, want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,14 +1,14 @@
-/* kvflow's CPU kernels (loaded by cpu_ops.py): paged decode attention, then elementwise ops.
+/* kvflow's CPU kernels (loaded by cpu_ops.py): paged attention, then the KV store, elementwise
+ * ops and the sampler's argmax.
  *
- * Paged decode attention: one query row per request, read straight from the paged cache.
- *
- * The torch path gathers every request's blocks into scratch tensors and runs small bmm calls;
- * on CPU those copies and calls are most of a decode step. This kernel reads each K/V row where
- * it lies instead, converts it to float32 once for all the query heads that share it, and keeps
- * scores, softmax and sums in float32.
+ * Paged attention: every query row, decode or prefill, attends to its own causal context,
+ * read straight from the paged cache. The torch path gathers every request's blocks into
+ * scratch tensors and runs small bmm/SDPA calls; on CPU those copies and calls cost more than
+ * the math. This kernel reads each K/V row where it lies, and keeps scores, softmax and sums
+ * in float32.
  *
  * Cache layout (the torch backend's, head-major): [num_kv_heads, num_slots, head_dim] with
- * slot = block_id * block_size + offset. Work is split over (request, KV head) pairs with
+ * slot = block_id * block_size + offset. Work is split over (query row, KV head) pairs with
  * OpenMP; linked against the libgomp that torch has loaded, it shares torch's thread pool.
  *
  * Built by kvflow/kernels/cpu_ops.py (cc -O3 -march=native -ffast-math -fopenmp).
@@ -244,19 +244,22 @@ static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
 }
 #endif
 
-/* q, out: [num_rows, num_heads, D]; q_rows[i]: the row of request i; block_tables:
- * [num_seqs, max_blocks] int32; context_lens[i]: keys visible to request i (its new one too). */
+/* Paged attention, one query row per entry: entry i is q/out row q_rows[i], reading the
+ * block table row table_rows[i] of block_tables [num_tables, max_blocks] (int32) and its first
+ * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
+ * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
+ * which is causal attention. */
 #define DEFINE_KERNEL(NAME, TASK, T, LOAD, STORE, FAST)                                       \
 DEFINE_TASK(TASK, T, LOAD)                                                                    \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,         \
-         const int32_t *context_lens, const int64_t *q_rows, int64_t num_seqs,               \
-         int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,      \
-         int64_t block_size, int64_t num_slots, float scale, T *out) {                        \
+         const int32_t *table_rows, const int32_t *context_lens, const int64_t *q_rows,      \
+         int64_t num_entries, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,   \
+         int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out) {     \
     const int64_t group = num_heads / num_kv_heads;                                           \
     if (group > MAX_GROUP || group * num_kv_heads != num_heads) return 1;                    \
     int failed = 0;                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {                          \
+    for (int64_t task = 0; task < num_entries * num_kv_heads; task++) {                       \
         const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;                  \
         const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
         float *qf = malloc(sizeof(float) * (size_t)(group * (2 * D + ctx16)));               \
@@ -265,7 +268,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
-        const int32_t *table = block_tables + seq * max_blocks;                               \
+        const int32_t *table = block_tables + (int64_t)table_rows[seq] * max_blocks;          \
         if (FAST(q_seq, k_head, v_head, table, ctx, block_size, group, D, scale, qf, o_seq)) { \
             free(qf);                                                                         \
             continue;                                                                         \
@@ -294,9 +297,9 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 #define AVX512_BF16_PATH NO_FAST_PATH
 #endif
 
-DEFINE_KERNEL(paged_decode_bf16, decode_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16,
+DEFINE_KERNEL(paged_attention_bf16, decode_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16,
               AVX512_BF16_PATH)
-DEFINE_KERNEL(paged_decode_f32, decode_task_f32, float, f32_to_f32, f32_to_f32, NO_FAST_PATH)
+DEFINE_KERNEL(paged_attention_f32, decode_task_f32, float, f32_to_f32, f32_to_f32, NO_FAST_PATH)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions
@@ -397,3 +400,16 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {  
 
 DEFINE_ARGMAX(argmax_bf16, uint16_t, bf16_to_f32)
 DEFINE_ARGMAX(argmax_f32, float, f32_to_f32)
+
+/* KV store: row t of `src` (heads rows of `row_bytes`, `head_stride` bytes apart, tokens
+ * `token_stride` bytes apart) goes to slot slots[t] of a head-major cache
+ * [heads, num_slots, row]. One memcpy a row, no dtype involved. */
+void store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
+              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
+              char *cache) {
+    PARALLEL_IF(num_tokens * heads * row_bytes / 4)
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            memcpy(cache + (h * num_slots + slots[t]) * row_bytes,
+                   src + t * token_stride + h * head_stride, (size_t)row_bytes);
+}

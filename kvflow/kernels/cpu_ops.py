@@ -101,7 +101,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode": (ctypes.c_int, [ptr] * 6 + [i64] * 7 + [f32, ptr]),
+        "paged_attention": (ctypes.c_int, [ptr] * 7 + [i64] * 7 + [f32, ptr]),
         "rms_norm": (None, [ptr, i64, ptr, i64, i64, f32, ptr]),
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
@@ -111,6 +111,8 @@ def _load(path: Path) -> ctypes.CDLL:
         for suffix in DTYPES.values():
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
+    store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
+    lib.store_kv.restype, lib.store_kv.argtypes = None, store_argtypes
     return lib
 
 
@@ -151,6 +153,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """torch_attention.store_kv: key/value [num_tokens, num_kv_heads, head_dim] (strided
+    tokens and heads are fine) into the head-major caches at `slot_mapping` (int64)."""
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    lib = library()
+    assert lib is not None, build_error()
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        assert src.dtype == cache.dtype and src.shape[0] == slot_mapping.shape[0]
+        if src.stride(2) != 1:
+            src = src.contiguous()
+        size = src.element_size()
+        heads, num_slots, head_dim = cache.shape
+        assert src.shape[1:] == (heads, head_dim)
+        lib.store_kv(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
+                     slot_mapping.data_ptr(), src.shape[0], heads, head_dim * size, num_slots,
+                     cache.data_ptr())
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for NaN-free x (the first index of the max), as int64."""
     n = x.shape[-1]
@@ -184,30 +206,35 @@ def _rotate(positions: torch.Tensor, x: torch.Tensor, cos_table: torch.Tensor,
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           q_rows: torch.Tensor, block_size: int, scale: float,
-                           out: torch.Tensor) -> None:
-    """One query row per request, attending to its whole context in the paged cache.
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, table_rows: torch.Tensor,
+                    context_lens: torch.Tensor, q_rows: torch.Tensor, block_size: int,
+                    scale: float, out: torch.Tensor) -> None:
+    """Each entry i: query row q_rows[i] attends to the first context_lens[i] keys of the
+    block table row table_rows[i] (its own key included, already in the cache). A decode is
+    one entry; a prefill of n tokens after c cached ones is n entries on one table row with
+    contexts c+1 .. c+n, i.e. causal attention.
 
-    q, out: [num_rows, num_heads, head_dim] contiguous; the rows `q_rows` (int64, one per
-    request) of `out` are written. Caches: [num_kv_heads, num_slots, head_dim] (head-major,
-    slot = block id * block_size + offset). block_tables: [num_requests, max_blocks] int32;
-    context_lens: [num_requests] int32, the new token included.
+    q, out: [num_rows, num_heads, head_dim] contiguous; only the rows named in q_rows are
+    written. Caches: [num_kv_heads, num_slots, head_dim] (head-major, slot = block id *
+    block_size + offset). block_tables: [num_tables, max_blocks] int32; table_rows,
+    context_lens: [num_entries] int32; q_rows: [num_entries] int64.
     """
-    tensors = (q, k_cache, v_cache, block_tables, context_lens, q_rows, out)
+    tensors = (q, k_cache, v_cache, block_tables, table_rows, context_lens, q_rows, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
     assert q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == out.dtype == q.dtype
-    assert block_tables.dtype == context_lens.dtype == torch.int32, block_tables.dtype
+    assert block_tables.dtype == table_rows.dtype == context_lens.dtype == torch.int32
     assert q_rows.dtype == torch.int64 and out.shape == q.shape
-    num_seqs, max_blocks = block_tables.shape
+    max_blocks = block_tables.shape[1]
     num_kv_heads, num_slots, head_dim = k_cache.shape
     num_heads = q.shape[1]
-    assert q.shape[2] == head_dim and context_lens.shape == q_rows.shape == (num_seqs,)
-    status = _fn("paged_decode", q.dtype)(
+    num_entries = q_rows.shape[0]
+    assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
+    status = _fn("paged_attention", q.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), q_rows.data_ptr(), num_seqs, max_blocks, num_heads,
-        num_kv_heads, head_dim, block_size, num_slots, scale, out.data_ptr())
+        table_rows.data_ptr(), context_lens.data_ptr(), q_rows.data_ptr(), num_entries,
+        max_blocks, num_heads, num_kv_heads, head_dim, block_size, num_slots, scale,
+        out.data_ptr())
     if status == 1:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
                          f"{num_kv_heads}, at most 16 query heads per KV head")

@@ -89,7 +89,7 @@ class AttentionBackend:
 
 @dataclass(frozen=True)
 class TorchMetadata(AttentionMetadata):
-    decodes: object = None          # the backend's decode metadata (TorchAttnGroup, CpuDecode)
+    decodes: TorchAttnGroup | None = None
     prefills: list[TorchPrefill] = field(default_factory=list)
 
 
@@ -102,7 +102,7 @@ class TorchBackend(AttentionBackend):
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
                        prefills: list[SeqSpan]) -> TorchMetadata:
         return TorchMetadata(self._tensor(slot_mapping),
-                             self._decode_metadata(decodes) if decodes else None,
+                             self._group(decodes) if decodes else None,
                              self._prefills(prefills))
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -115,18 +115,10 @@ class TorchBackend(AttentionBackend):
         q = q.contiguous()
         out = torch.empty_like(q)
         if meta.decodes is not None:
-            self._decode(q, k_cache, v_cache, meta.decodes, scale, out)
+            group_attention(q, k_cache, v_cache, meta.decodes, scale, out)
         for seq in meta.prefills:
             prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
         return out
-
-    def _decode_metadata(self, decodes: list[SeqSpan]) -> object:
-        return self._group(decodes)
-
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                decodes: object, scale: float, out: torch.Tensor) -> None:
-        assert isinstance(decodes, TorchAttnGroup)
-        group_attention(q, k_cache, v_cache, decodes, scale, out)
 
     def _prefills(self, spans: list[SeqSpan]) -> list[TorchPrefill]:
         """Per request: its blocks, and a mask when a cached prefix shifts the causal diagonal
@@ -174,36 +166,60 @@ class TorchBackend(AttentionBackend):
             torch.empty(buf_shape, dtype=self.dtype, device=self.device))
 
 
-# --- cpu: the torch layout, decodes by a compiled C kernel --------------------------------
+# --- cpu: the torch layout, every query row by a compiled C kernel -------------------------
 
 @dataclass(frozen=True)
-class CpuDecode:
-    rows: torch.Tensor             # [batch] int64 packed row of each decode
-    block_tables: torch.Tensor     # [batch, max_blocks] int32
-    context_lens: torch.Tensor     # [batch] int32, the new token included
+class CpuMetadata(AttentionMetadata):
+    block_tables: torch.Tensor      # [num_requests, max_blocks] int32
+    table_rows: torch.Tensor        # [num_rows] int32: each query row's request
+    context_lens: torch.Tensor      # [num_rows] int32: the keys each row sees, its own included
+    q_rows: torch.Tensor            # [num_rows] int64: each row's packed row
 
 
-class CpuBackend(TorchBackend):
-    """The torch backend's cache and prefills; decodes read the paged cache in place with
-    kvflow/kernels/cpu_ops.c (no gathers, no per-head bmm calls). float32 and bfloat16."""
+class CpuBackend(AttentionBackend):
+    """The torch backend's cache layout; kvflow/kernels/cpu_ops.c does the rest: it stores the
+    new K/V rows (a memcpy a row instead of index_copy_), and attends for every query row,
+    decode or prefill, in one call per layer, reading the paged cache in place (no block
+    gathers, no bmm or SDPA calls). A prefill of n tokens after c cached ones is n rows with
+    contexts c+1 .. c+n: causal attention, cached prefix included. float32 and bfloat16."""
     name = "cpu"
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
-        from kvflow.kernels.cpu_ops import paged_decode_attention
-        self._kernel = paged_decode_attention
+        from kvflow.kernels.cpu_ops import paged_attention, store_kv
+        self._kernel, self._store = paged_attention, store_kv
 
-    def _decode_metadata(self, decodes: list[SeqSpan]) -> CpuDecode:
-        return CpuDecode(torch.from_numpy(np.asarray([d[0] for d in decodes], np.int64)),
-                         torch.from_numpy(block_tables(decodes, self.block_size)),
-                         torch.from_numpy(np.asarray([d[2] for d in decodes], np.int32)))
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return cache_shape(num_blocks, self.block_size, *self.kv_shape)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                decodes: object, scale: float, out: torch.Tensor) -> None:
-        assert isinstance(decodes, CpuDecode)
-        self._kernel(q, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
-                     decodes.rows, self.block_size, scale, out)
+    def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
+                       prefills: list[SeqSpan]) -> CpuMetadata:
+        spans = decodes + prefills
+        first_row, q_lens, contexts = (np.fromiter((span[i] for span in spans), np.int64,
+                                                   len(spans)) for i in range(3))
+        table_rows = np.repeat(np.arange(len(spans), dtype=np.int32), q_lens)
+        # Offset of each row inside its request's new tokens: 0 .. q_len - 1.
+        offsets = np.arange(len(table_rows)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        context_lens = contexts[table_rows] - q_lens[table_rows] + 1 + offsets
+        return CpuMetadata(self._tensor(slot_mapping),
+                           torch.from_numpy(block_tables(spans, self.block_size)),
+                           torch.from_numpy(table_rows),
+                           torch.from_numpy(context_lens.astype(np.int32)),
+                           torch.from_numpy(first_row[table_rows] + offsets))
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert isinstance(meta, CpuMetadata), type(meta)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self._kernel(q, k_cache, v_cache, meta.block_tables, meta.table_rows,
+                     meta.context_lens, meta.q_rows, self.block_size, scale, out)
+        return out
 
 
 def cpu_kernels_usable(dtype: torch.dtype) -> str | None:
