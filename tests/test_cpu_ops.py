@@ -108,6 +108,25 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
+                                            block_size: int) -> None:
+    """Prefills alone, as the kernel runs them (each new token a causal row): a whole
+    300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk."""
+    spans = _spans([300, 170, 9], [300, 50, 1], block_size, 120)
+    slots = np.zeros(351, dtype=np.int64)
+    fast = CpuBackend(block_size, 2, 64, dtype, CPU)
+    ref = TorchBackend(block_size, 2, 64, torch.float32, CPU)
+    k_cache = torch.randn(fast.cache_shape(120)).to(dtype)
+    v_cache = torch.randn(fast.cache_shape(120)).to(dtype)
+    q = torch.randn(351, 8, 64).to(dtype)
+    out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, [], spans), 0.125)
+    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots, [], spans), 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (300, 576), (7, 40)])
 def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
     wide = torch.randn(rows, hidden + 8).to(dtype) * 3

@@ -1,9 +1,11 @@
-"""CPU kernels in C (cpu_ops.c), loaded with ctypes: paged decode attention, RMSNorm,
-SiLU-and-mul, rotary and the sampler's row argmax. Each has a pure-torch reference it is tested against (the torch
-attention backend; layers/norm.py, models/llama.py, layers/rotary.py).
+"""CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
+the KV store, RMSNorm, SiLU-and-mul, rotary and the sampler's row argmax. Each has a torch
+reference it is tested against (the torch attention backend and store; layers/norm.py,
+models/llama.py, layers/rotary.py; torch.argmax).
 
 Why C: on CPU a decode step of a small model is hundreds of small torch calls; the attention
-alone was block gathers plus six tiny bmm calls per layer. These kernels do each job in one
+alone was block gathers plus six tiny bmm calls per layer, and a prefill's SDPA call per
+request ran at half the speed of the paged kernel. These kernels do each job in one
 pass over memory, at one call per layer.
 
 The library is compiled once per machine with the system C compiler (`$CC`, else `cc`) into
