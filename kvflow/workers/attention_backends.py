@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class AttentionBackend:
     name = "?"
     supports_cuda_graphs = False     # decode metadata from static buffers, shapes fixed
+    # The KV store for this layout: (key, value, k_cache, v_cache, slot_mapping) -> None.
+    _store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     None]
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -78,7 +82,8 @@ class AttentionBackend:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        raise NotImplementedError
+        """Write the step's new K/V rows into the caches at meta.slot_mapping."""
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -98,6 +103,7 @@ class TorchMetadata(AttentionMetadata):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    _store = staticmethod(store_kv)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return cache_shape(num_blocks, self.block_size, *self.kv_shape)
@@ -107,10 +113,6 @@ class TorchBackend(AttentionBackend):
         return TorchMetadata(self._tensor(slot_mapping),
                              self._group(decodes) if decodes else None,
                              self._prefills(prefills))
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -211,10 +213,6 @@ class CpuBackend(AttentionBackend):
                            torch.from_numpy(context_lens.astype(np.int32)),
                            torch.from_numpy(first_row[table_rows] + offsets))
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert isinstance(meta, CpuMetadata), type(meta)
@@ -290,10 +288,6 @@ class PagedBackend(AttentionBackend):
         batch = slot_mapping.shape[0]
         return PagedMetadata(slot_mapping, batch,
                              DecodePart(slice(0, batch), block_tables, context_lens))
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
