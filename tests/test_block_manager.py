@@ -4,6 +4,8 @@ Block size 4 throughout, so block i of a request holds tokens [4*i, 4*i + 4).
 """
 from __future__ import annotations
 
+import pytest
+
 from kvflow.core.block_manager import RESERVED, BlockManager
 from kvflow.core.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -361,4 +363,58 @@ def test_prefix_caching_disabled_gives_no_hits() -> None:
     admit_and_compute(bm, b)
     assert b.num_computed_tokens == 13 and len(b.block_ids) == 4
     bm.free(b)
+    assert_all_free(bm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_random_workload_keeps_every_invariant(prefix_caching: bool) -> None:
+    """Random admissions (some sharing prefixes), decode growth, frees and preemptions on a
+    tight pool: allocation succeeds exactly when enough blocks are free (reservations never
+    refuse one), no block is held by two requests unless it is a shared cached prefix block,
+    the counts add up every step, and everything comes back at the end."""
+    import random
+    rng = random.Random(7)
+    bm = make_bm(48, prefix_caching)
+    prefixes = [list(range(1000 * i, 1000 * i + 8)) for i in range(3)]
+    running: list[Request] = []
+    for step in range(600):
+        action = rng.random()
+        if action < 0.3:                                       # admit
+            prompt = rng.choice(prefixes)[:rng.randint(0, 8)] + [rng.randrange(9, 99)
+                                                                  for _ in range(rng.randint(1, 9))]
+            r = Request(f"q{step}", prompt, SamplingParams(max_tokens=rng.randint(1, 40)))
+            cached = bm.find_cached_blocks(r)
+            need = bm.blocks_needed(r.num_tokens) - len(cached)
+            fits = need <= bm.num_free_blocks - sum(bm.ref_counts[b] == 0 for b in cached)
+            assert bm.allocate(r, r.num_tokens - len(cached) * BLOCK_SIZE, cached) == fits
+            if fits:
+                r.num_computed_tokens = r.num_tokens
+                bm.cache_computed_blocks(r)
+                running.append(r)
+        elif action < 0.85 and running:                        # one decode step each
+            for r in list(running):
+                if r.num_output_tokens >= r.sampling_params.max_tokens:
+                    bm.free(r)
+                    running.remove(r)
+                    continue
+                r.token_ids.append(rng.randrange(9, 99))
+                fits = bm.blocks_needed(r.num_tokens) - len(r.block_ids) <= bm.num_free_blocks
+                assert bm.allocate(r, 1) == fits
+                if not fits:                                   # preempt it
+                    bm.free(r)
+                    running.remove(r)
+                    continue
+                r.num_computed_tokens += 1
+                bm.cache_computed_blocks(r)
+        elif running:                                          # free one early
+            bm.free(running.pop(rng.randrange(len(running))))
+        bm.check()
+        held = [b for r in running for b in r.block_ids]
+        assert bm.total_refs == len(held)
+        assert all(bm.ref_counts[b] == held.count(b) for b in set(held))
+        shared = {b for b in held if held.count(b) > 1}
+        assert all(bm.block_hashes[b] is not None for b in shared)
+        assert bm.num_free_blocks == bm.num_blocks - len(set(held))
+    for r in running:
+        bm.free(r)
     assert_all_free(bm)

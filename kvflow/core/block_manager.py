@@ -47,6 +47,9 @@ class BlockManager:
         self.empty = bytearray([EMPTY]) * num_blocks
         self.num_empty = num_blocks
         self.reservations: dict[str, tuple[int, int]] = {}   # request id -> [start, end)
+        # No run of EMPTY blocks is longer than this (reset when blocks become empty), so a
+        # fragmented pool costs one failed search per length, not one per new run.
+        self.longest_empty_run = num_blocks
         self.total_refs = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -118,6 +121,7 @@ class BlockManager:
                 if self.block_hashes[block_id] is None:
                     self.empty[block_id] = EMPTY
                     self.num_empty += 1
+                    self.longest_empty_run = self.num_blocks
                 else:
                     self.free_blocks[block_id] = None
         request.block_ids = []
@@ -147,6 +151,7 @@ class BlockManager:
             self.empty[block_id] = EMPTY
         self.num_empty += len(self.free_blocks)
         self.free_blocks.clear()
+        self.longest_empty_run = self.num_blocks
 
     # --- internals -------------------------------------------------------------------------
 
@@ -178,18 +183,20 @@ class BlockManager:
         return block_id
 
     def _start_run(self, request: Request) -> int:
-        """The first block of the largest run of unreserved empty blocks, up to what the
-        request may still need, with the rest of that run reserved for it; -1 when no block
-        is empty."""
+        """The first block of the first run of unreserved empty blocks as long as what the
+        request may still need (halving that while no run is), the rest of the run reserved
+        for it; else any unreserved empty block, else a reserved one; -1 when none is empty."""
         self._release(request.request_id)
         max_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
-        want = min(self.blocks_needed(max_tokens) - len(request.block_ids), MAX_RESERVED_BLOCKS)
+        want = min(self.blocks_needed(max_tokens) - len(request.block_ids), MAX_RESERVED_BLOCKS,
+                   self.longest_empty_run)
         while want > 1:
             start = self.empty.find(RUN_OF_EMPTY[:want])
             if start >= 0:
                 self.empty[start + 1:start + want] = RUN_OF_RESERVED[:want - 1]
                 self.reservations[request.request_id] = (start + 1, start + want)
                 return start
+            self.longest_empty_run = want - 1
             want //= 2
         start = self.empty.find(EMPTY)
         return start if start >= 0 else self.empty.find(RESERVED)
@@ -197,8 +204,10 @@ class BlockManager:
     def _release(self, request_id: str) -> None:
         """Give back what is left of the request's reservation."""
         start, end = self.reservations.pop(request_id, (0, 0))
-        run = self.empty[start:end]
-        self.empty[start:end] = run.replace(bytes([RESERVED]), bytes([EMPTY]))
+        if start < end:
+            run = self.empty[start:end]
+            self.empty[start:end] = run.replace(bytes([RESERVED]), bytes([EMPTY]))
+            self.longest_empty_run = self.num_blocks
 
     def _forget_hash(self, block_id: int) -> None:
         h = self.block_hashes[block_id]
@@ -213,3 +222,5 @@ class BlockManager:
         assert num_used <= self.total_refs, (num_used, self.total_refs)
         assert (self.total_refs == 0) == (num_used == 0), (self.total_refs, num_used)
         assert self.num_empty == self.num_blocks - self.empty.count(0), self.num_empty
+        if self.longest_empty_run < MAX_RESERVED_BLOCKS:
+            assert RUN_OF_EMPTY[:self.longest_empty_run + 1] not in self.empty
