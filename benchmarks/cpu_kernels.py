@@ -1,0 +1,110 @@
+"""The CPU attention kernel against the torch backend, on the default model's head shapes.
+
+Three measurements, each with its baseline in the same run:
+- decode attention over all layers of one step (batch, context ~ uniform(ctx/2, 3ctx/2)),
+  with each request's blocks in one run (what the block manager aims for) and scattered at
+  random (its worst case): the `cpu` backend, and the `torch` backend's gathers + bmm;
+- prefill attention of one layer for a batch of prompts: `cpu` (every new token a causal row
+  of the paged kernel) against `torch` (one SDPA call per request);
+- the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
+
+    python benchmarks/cpu_kernels.py --batch 64 --context 400
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvflow.kernels import cpu_ops
+from kvflow.workers.attention_backends import CpuBackend, TorchBackend
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def spans_for(lengths: list[int], q_lens: list[int], block_size: int, num_blocks: int,
+              placement: str, rng: np.random.Generator) -> list:
+    """(first row, q_len, context, block ids) per request, blocks in runs or scattered."""
+    need = [-(-n // block_size) for n in lengths]
+    order = rng.permutation(num_blocks) if placement == "scattered" else np.arange(num_blocks)
+    spans, used, row = [], 0, 0
+    for n, q_len, nb in zip(lengths, q_lens, need):
+        spans.append((row, q_len, n, order[used:used + nb]))
+        used, row = used + nb, row + q_len
+    assert used <= num_blocks
+    return spans
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--prompts", type=int, default=15, help="prefill: prompts 32..256")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_ops.library() is None:
+        raise SystemExit(f"the C kernels did not build: {cpu_ops.build_error()}")
+    rng = np.random.default_rng(0)
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64          # SmolLM2-135M, bf16
+    dtype, scale = torch.bfloat16, head_dim ** -0.5
+    backends = {"cpu": CpuBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu")),
+                "torch": TorchBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu"))}
+
+    contexts = rng.integers(args.context // 2, args.context * 3 // 2, args.batch).tolist()
+    num_blocks = sum(-(-c // block_size) for c in contexts) * 5 // 4
+    caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(dtype) for _ in range(2)]
+              for _ in range(args.layers)]          # a cache per layer: more than the L3 holds
+    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * 2 * args.layers
+    q = torch.randn(args.batch, heads, head_dim).to(dtype)
+    slots = np.zeros(args.batch, dtype=np.int64)
+    print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "
+          f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), bf16, "
+          f"{args.threads} threads")
+    for placement in ("runs", "scattered"):
+        spans = spans_for(contexts, [1] * args.batch, block_size, num_blocks, placement, rng)
+        result = {}
+        for name, backend in backends.items():
+            meta = backend.build_metadata(slots, spans, [])
+            result[name] = timed(lambda: [backend.attend(q, k, v, meta, scale)
+                                          for k, v in caches], args.repeats)
+        print(f"  blocks {placement:9s}: cpu {1e3 * result['cpu']:7.1f} ms "
+              f"({kv_bytes / result['cpu'] / 1e9:4.1f} GB/s), torch "
+              f"{1e3 * result['torch']:7.1f} ms: {result['torch'] / result['cpu']:.1f}x")
+
+    lengths = rng.integers(32, 257, args.prompts).tolist()
+    spans = spans_for(lengths, lengths, block_size, num_blocks, "runs", rng)
+    q = torch.randn(sum(lengths), heads, head_dim).to(dtype)
+    slots = np.zeros(sum(lengths), dtype=np.int64)
+    k, v = caches[0]
+    result = {}
+    for name, backend in backends.items():
+        meta = backend.build_metadata(slots, [], spans)
+        result[name] = timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
+    print(f"prefill attention, one layer, {args.prompts} prompts of 32..256 ({sum(lengths)} "
+          f"tokens): cpu {1e3 * result['cpu']:.2f} ms, torch (SDPA) "
+          f"{1e3 * result['torch']:.2f} ms: {result['torch'] / result['cpu']:.1f}x")
+
+    logits = torch.randn(args.batch, 49152).to(dtype)
+    ours = timed(lambda: cpu_ops.argmax(logits), args.repeats * 3)
+    theirs = timed(lambda: logits.float().argmax(dim=-1), args.repeats * 3)
+    print(f"greedy argmax [{args.batch}, 49152] bf16: C {1e3 * ours:.3f} ms, torch (float32 "
+          f"copy + argmax) {1e3 * theirs:.3f} ms: {theirs / ours:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
