@@ -184,6 +184,32 @@ def test_store_kv_matches_torch(dtype: torch.dtype, num_tokens: int) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_kernels_refuse_indices_outside_their_tensors() -> None:
+    """A bad slot or table entry raises instead of writing or reading out of bounds."""
+    cache = torch.zeros(2, 64, 16)                   # 4 blocks of 16 slots
+    rows = torch.randn(3, 2, 16)
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="slot"):
+            cpu_ops.store_kv(rows, rows, cache, cache.clone(), torch.tensor([0, bad, 5]))
+    assert cache.abs().sum() == 0                    # nothing written on refusal
+    q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    good = dict(table_rows=torch.tensor([0, 1], dtype=torch.int32),
+                context_lens=torch.tensor([5, 32], dtype=torch.int32),
+                q_rows=torch.tensor([1, 0]))
+    cpu_ops.paged_attention(q, cache, cache, table, block_size=16, scale=1.0, out=out, **good)
+    for field, value in (("table_rows", [0, 2]), ("context_lens", [0, 5]),
+                         ("context_lens", [5, 33]), ("q_rows", [2, 0])):
+        bad = dict(good, **{field: torch.tensor(value, dtype=good[field].dtype)})
+        with pytest.raises(IndexError, match="outside"):
+            cpu_ops.paged_attention(q, cache, cache, table, block_size=16, scale=1.0,
+                                    out=out, **bad)
+    with pytest.raises(IndexError, match="outside"):
+        cpu_ops.paged_attention(q, cache, cache, torch.tensor([[0, 1], [2, 4]],
+                                                               dtype=torch.int32),
+                                block_size=16, scale=1.0, out=out, **good)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_matches_torch(dtype: torch.dtype) -> None:
     """Greedy sampling's argmax: first index of the max, ties across and inside the 256-wide
@@ -195,7 +221,11 @@ def test_argmax_matches_torch(dtype: torch.dtype) -> None:
     x[2, 257] = x[2, 260] = top                      # tie inside a chunk
     x[3, 0] = top
     x[4] = 0.0                                       # all equal: index 0
-    for logits in (x, x[:, 1:-1], x[:, :1], x[:0]):
+    x[5, 10], x[5, 20] = -0.0, 0.0                   # -0 == +0: the first wins
+    x[5, :10], x[5, 11:20], x[5, 21:] = -1.0, -2.0, float("-inf")
+    masked = torch.full((2, 700), float("-inf")).to(dtype)
+    masked[1, 600:] = float("inf")                   # infinities compare exactly
+    for logits in (x, x[:, 1:-1], x[:, :1], x[:0], masked):
         torch.testing.assert_close(cpu_ops.argmax(logits), logits.argmax(dim=-1),
                                    rtol=0, atol=0)
 

@@ -166,12 +166,10 @@ class BlockManager:
         that is empty, else the start of a new run, else (nothing empty) the LRU cached one."""
         ids = request.block_ids
         block_id = ids[-1] + 1 if ids else self.num_blocks
-        if block_id < self.num_blocks and self.empty[block_id]:
-            reserved = self.reservations.get(request.request_id)
-            if reserved is not None and reserved[0] == block_id:
-                self.reservations[request.request_id] = (block_id + 1, reserved[1])
-        else:
+        if block_id >= self.num_blocks or not self.empty[block_id]:
             block_id = self._start_run(request)
+        if block_id >= 0 and self.empty[block_id] == RESERVED:
+            self._unreserve(block_id, request.request_id)
         if block_id < 0:
             block_id, _ = self.free_blocks.popitem(last=False)
             self._forget_hash(block_id)
@@ -205,9 +203,30 @@ class BlockManager:
         """Give back what is left of the request's reservation."""
         start, end = self.reservations.pop(request_id, (0, 0))
         if start < end:
-            run = self.empty[start:end]
-            self.empty[start:end] = run.replace(bytes([RESERVED]), bytes([EMPTY]))
+            self.empty[start:end] = RUN_OF_EMPTY[:end - start]
             self.longest_empty_run = self.num_blocks
+
+    def _unreserve(self, block_id: int, taker: str) -> None:
+        """A reserved block is being taken: by its owner growing into it (the reservation
+        shrinks from the front), or by another request when nothing unreserved is left (the
+        owner's run cannot continue past it: the rest of its reservation is given back)."""
+        for owner, (start, end) in self.reservations.items():
+            if start <= block_id < end:
+                break
+        else:
+            raise AssertionError(f"block {block_id} is RESERVED but in no reservation")
+        if owner == taker and block_id == start:
+            self.reservations[owner] = (start + 1, end)
+            if start + 1 == end:
+                del self.reservations[owner]
+            return
+        if block_id + 1 < end:
+            self.empty[block_id + 1:end] = RUN_OF_EMPTY[:end - block_id - 1]
+            self.longest_empty_run = self.num_blocks
+        if start < block_id:
+            self.reservations[owner] = (start, block_id)
+        else:
+            del self.reservations[owner]
 
     def _forget_hash(self, block_id: int) -> None:
         h = self.block_hashes[block_id]
@@ -224,3 +243,9 @@ class BlockManager:
         assert self.num_empty == self.num_blocks - self.empty.count(0), self.num_empty
         if self.longest_empty_run < MAX_RESERVED_BLOCKS:
             assert RUN_OF_EMPTY[:self.longest_empty_run + 1] not in self.empty
+        # Reservations: disjoint, nonempty, every block in them RESERVED and no other.
+        num_reserved = 0
+        for start, end in self.reservations.values():
+            assert start < end and self.empty[start:end] == RUN_OF_RESERVED[:end - start]
+            num_reserved += end - start
+        assert num_reserved == self.empty.count(RESERVED), num_reserved

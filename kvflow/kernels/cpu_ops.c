@@ -249,21 +249,48 @@ static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
  * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
  * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
  * which is causal attention. */
+/* Every index the kernel will follow lies inside its tensor: bad metadata is refused, not
+ * read or written out of bounds. O(blocks visited), small next to the attention itself. */
+static int metadata_valid(const int32_t *block_tables, int64_t num_tables,
+                          const int32_t *table_rows, const int32_t *context_lens,
+                          const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries,
+                          int64_t max_blocks, int64_t block_size, int64_t num_slots) {
+    const int64_t num_blocks = num_slots / block_size;
+    for (int64_t i = 0; i < num_entries; i++) {
+        const int64_t row = table_rows[i], ctx = context_lens[i];
+        if (row < 0 || row >= num_tables || ctx < 1 || ctx > max_blocks * block_size
+            || q_rows[i] < 0 || q_rows[i] >= num_q_rows)
+            return 0;
+        const int32_t *table = block_tables + row * max_blocks;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
 #define DEFINE_KERNEL(NAME, TASK, T, LOAD, STORE, FAST)                                       \
 DEFINE_TASK(TASK, T, LOAD)                                                                    \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,         \
-         const int32_t *table_rows, const int32_t *context_lens, const int64_t *q_rows,      \
-         int64_t num_entries, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,   \
-         int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out) {     \
+         int64_t num_tables, const int32_t *table_rows, const int32_t *context_lens,         \
+         const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries, int64_t max_blocks, \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,      \
+         int64_t num_slots, float scale, T *out) {                                            \
     const int64_t group = num_heads / num_kv_heads;                                           \
     if (group > MAX_GROUP || group * num_kv_heads != num_heads) return 1;                    \
+    if (!metadata_valid(block_tables, num_tables, table_rows, context_lens, q_rows,          \
+                        num_q_rows, num_entries, max_blocks, block_size, num_slots))         \
+        return 3;                                                                             \
     int failed = 0;                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
     for (int64_t task = 0; task < num_entries * num_kv_heads; task++) {                       \
         const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;                  \
         const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
         float *qf = malloc(sizeof(float) * (size_t)(group * (2 * D + ctx16)));               \
-        if (qf == NULL) { failed = 1; continue; }                                            \
+        if (qf == NULL) {                                                                     \
+            _Pragma("omp atomic write")                                                       \
+            failed = 1;                                                                       \
+            continue;                                                                         \
+        }                                                                                     \
         float *acc = qf + group * D, *scores = acc + group * D;                               \
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
@@ -375,41 +402,56 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_to_f32, f32_to_f32)
 
 /* Row-wise argmax, the first index of the largest value (torch.argmax's rule; logits are never
- * NaN here). Chunks of 256 are reduced by vector max; the first chunk holding the row's max is
- * then scanned for its index, so the whole row is read once and one chunk twice. */
+ * NaN here). Values are compared as integer keys that order like the floats (sign bit
+ * flipped, negatives' other bits too, -0 taken as +0), which -ffast-math cannot reorder and
+ * which keeps infinities exact: a row of -inf gives 0, as in torch. Chunks of 256 are reduced
+ * by vector max; the first chunk holding the row's max is then scanned for its index. */
 #define ARGMAX_CHUNK 256
-#define DEFINE_ARGMAX(NAME, T, LOAD)                                                          \
+static inline uint16_t key_bf16(uint16_t x) {
+    x = x == 0x8000u ? 0 : x;
+    return (uint16_t)(x & 0x8000u ? ~x : x | 0x8000u);
+}
+static inline uint32_t key_f32(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    x = x == 0x80000000u ? 0 : x;
+    return x & 0x80000000u ? ~x : x | 0x80000000u;
+}
+#define DEFINE_ARGMAX(NAME, T, K, KEY)                                                        \
 void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {               \
     PARALLEL_IF(rows * n)                                                                     \
     for (int64_t r = 0; r < rows; r++) {                                                      \
         const T *xr = x + r * stride;                                                         \
-        float best = -FLT_MAX;                                                                \
+        K best = 0;                                                                           \
         int64_t best_start = 0;                                                               \
         for (int64_t start = 0; start < n; start += ARGMAX_CHUNK) {                           \
             const int64_t end = n - start < ARGMAX_CHUNK ? n : start + ARGMAX_CHUNK;          \
-            float m = -FLT_MAX;                                                               \
+            K m = 0;                                                                          \
             _Pragma("omp simd reduction(max:m)")                                              \
-            for (int64_t i = start; i < end; i++) m = LOAD(xr[i]) > m ? LOAD(xr[i]) : m;      \
-            if (m > best) { best = m; best_start = start; }                                   \
+            for (int64_t i = start; i < end; i++) m = KEY(xr[i]) > m ? KEY(xr[i]) : m;        \
+            if (start == 0 || m > best) { best = m; best_start = start; }                     \
         }                                                                                     \
         int64_t i = best_start;                                                               \
-        while (i < n - 1 && LOAD(xr[i]) != best) i++;                                         \
+        while (i < n - 1 && KEY(xr[i]) != best) i++;                                          \
         out[r] = i;                                                                           \
     }                                                                                         \
 }
 
-DEFINE_ARGMAX(argmax_bf16, uint16_t, bf16_to_f32)
-DEFINE_ARGMAX(argmax_f32, float, f32_to_f32)
+DEFINE_ARGMAX(argmax_bf16, uint16_t, uint16_t, key_bf16)
+DEFINE_ARGMAX(argmax_f32, float, uint32_t, key_f32)
 
 /* KV store: row t of `src` (heads rows of `row_bytes`, `head_stride` bytes apart, tokens
  * `token_stride` bytes apart) goes to slot slots[t] of a head-major cache
  * [heads, num_slots, row]. One memcpy a row, no dtype involved. */
-void store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
-              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
-              char *cache) {
+int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
+             int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
+             char *cache) {
+    for (int64_t t = 0; t < num_tokens; t++)      /* a bad slot must not write anywhere */
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
     PARALLEL_IF(num_tokens * heads * row_bytes / 4)
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < heads; h++)
             memcpy(cache + (h * num_slots + slots[t]) * row_bytes,
                    src + t * token_stride + h * head_stride, (size_t)row_bytes);
+    return 0;
 }

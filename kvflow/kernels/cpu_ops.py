@@ -103,7 +103,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_attention": (ctypes.c_int, [ptr] * 7 + [i64] * 7 + [f32, ptr]),
+        "paged_attention": (ctypes.c_int, [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 8
+                            + [f32, ptr]),
         "rms_norm": (None, [ptr, i64, ptr, i64, i64, f32, ptr]),
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
@@ -114,7 +115,7 @@ def _load(path: Path) -> ctypes.CDLL:
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
-    lib.store_kv.restype, lib.store_kv.argtypes = None, store_argtypes
+    lib.store_kv.restype, lib.store_kv.argtypes = ctypes.c_int, store_argtypes
     return lib
 
 
@@ -170,9 +171,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         size = src.element_size()
         heads, num_slots, head_dim = cache.shape
         assert src.shape[1:] == (heads, head_dim)
-        lib.store_kv(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
-                     slot_mapping.data_ptr(), src.shape[0], heads, head_dim * size, num_slots,
-                     cache.data_ptr())
+        if lib.store_kv(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
+                        slot_mapping.data_ptr(), src.shape[0], heads, head_dim * size,
+                        num_slots, cache.data_ptr()):
+            raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} "
+                             f"slots: {slot_mapping.tolist()}")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -234,11 +237,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
     status = _fn("paged_attention", q.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        table_rows.data_ptr(), context_lens.data_ptr(), q_rows.data_ptr(), num_entries,
-        max_blocks, num_heads, num_kv_heads, head_dim, block_size, num_slots, scale,
-        out.data_ptr())
+        block_tables.shape[0], table_rows.data_ptr(), context_lens.data_ptr(),
+        q_rows.data_ptr(), q.shape[0], num_entries, max_blocks, num_heads, num_kv_heads,
+        head_dim, block_size, num_slots, scale, out.data_ptr())
     if status == 1:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
                          f"{num_kv_heads}, at most 16 query heads per KV head")
+    if status == 3:
+        raise IndexError("paged_attention: a table row, query row, context length or block "
+                         "id lies outside its tensor")
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
