@@ -12,7 +12,7 @@ into the block right after its last one, and a request that starts a run reserve
 it for the tokens it may still produce (prompt + max_tokens, at most MAX_RESERVED_BLOCKS). A
 reservation is only a placement hint: reserved blocks count as free, and when no unreserved
 empty block is left they are handed out like any other. Consecutive blocks are what the CPU
-decode kernel reads fastest (the hardware prefetcher streams through a run; a jump to a block
+attention kernel reads fastest (the hardware prefetcher streams through a run; a jump to a block
 elsewhere costs a memory latency).
 """
 from __future__ import annotations

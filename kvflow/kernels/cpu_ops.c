@@ -39,12 +39,31 @@ static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as 
 
 static inline float f32_to_f32(float x) { return x; }
 
-static inline void prefetch_block(const void *start, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch((const char *)start + off, 0, 3);
+/* Fetch [start, start + bytes) towards L2. On x86 an asm statement: GCC may delete a loop that
+ * does nothing but __builtin_prefetch (it has no side effects), and did here. */
+static inline void prefetch_l2(const void *start, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ volatile("prefetcht2 %0" : : "m"(*((const char *)start + off)));
+#else
+        __builtin_prefetch((const char *)start + off, 0, 1);
+#endif
+    }
 }
 
-/* One (request, KV head) pair: `group` query heads against `ctx` keys.
+/* Blocks lie where the allocator put them. Within a run of consecutive blocks the hardware
+ * prefetcher streams; the first block of each run is fetched ahead into L2 here, K and V both,
+ * so that no jump waits a full memory latency. */
+static inline void prefetch_runs(const void *k_head, const void *v_head, const int32_t *table,
+                                 int64_t ctx, int64_t block_size, int64_t block_bytes) {
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+        if (b == 0 || table[b] != table[b - 1] + 1) {
+            prefetch_l2((const char *)k_head + table[b] * block_bytes, block_bytes);
+            prefetch_l2((const char *)v_head + table[b] * block_bytes, block_bytes);
+        }
+}
+
+/* One (query row, KV head) pair: `group` query heads against `ctx` keys.
  * qf: [group, D] float32 scaled queries; scores: [group, ctx] scratch; returns acc [group, D]. */
 #define DEFINE_TASK(NAME, T, LOAD)                                                            \
 static inline __attribute__((always_inline)) void NAME(                                       \
@@ -55,9 +74,6 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
         const T *kb = k_head + (int64_t)table[blk] * block_size * D;                         \
-        if (start + block_size < ctx)       /* blocks lie scattered: fetch the next early */ \
-            prefetch_block(k_head + (int64_t)table[blk + 1] * block_size * D,                \
-                           block_size * D * (int64_t)sizeof(T));                             \
         for (int64_t t = 0; t < n; t++) {                                                     \
             _Pragma("omp simd")                                                               \
             for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb[t * D + d]);                      \
@@ -84,9 +100,6 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
         const T *vb = v_head + (int64_t)table[blk] * block_size * D;                         \
-        if (start + block_size < ctx)                                                         \
-            prefetch_block(v_head + (int64_t)table[blk + 1] * block_size * D,                \
-                           block_size * D * (int64_t)sizeof(T));                             \
         for (int64_t t = 0; t < n; t++) {                                                     \
             _Pragma("omp simd")                                                               \
             for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vb[t * D + d]);                      \
@@ -108,11 +121,6 @@ static inline __attribute__((always_inline)) void NAME(                         
  * the weighted sum of V rows in float32 with the accumulators in registers. */
 #include <immintrin.h>
 #define KVFLOW_AVX512_BF16 1
-
-static inline void prefetch_l2(const void *start, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch((const char *)start + off, 0, 1);
-}
 
 /* r[j] = sum of the lanes of v[j], for 16 vectors. */
 static inline __m512 sum16(const __m512 v[16]) {
@@ -173,8 +181,8 @@ static inline __attribute__((always_inline)) void weighted_v(
     }
 }
 
-/* One (request, KV head) pair. q, out: [group, D] bf16; scores: [group, ctx16] scratch. */
-static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
+/* One (query row, KV head) pair. q, out: [group, D] bf16; scores: [group, ctx16] scratch. */
+static void row_task_avx512(const uint16_t *q, const uint16_t *k_head,
                                const uint16_t *v_head, const int32_t *table, int64_t ctx,
                                int64_t bs, int64_t group, int64_t D, float scale,
                                float *scores, uint16_t *out) {
@@ -182,14 +190,6 @@ static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
     __m512 vmax[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) vmax[g] = _mm512_set1_ps(-FLT_MAX);
     const __m512 vscale = _mm512_set1_ps(scale);
-    /* Blocks lie where the allocator put them. Within a run of consecutive blocks the
-     * hardware prefetcher streams; the first block of each run is fetched ahead into L2 here,
-     * K and V both, so that no jump waits a full memory latency. */
-    for (int64_t b = 0; b < (ctx + bs - 1) / bs; b++)
-        if (b == 0 || table[b] != table[b - 1] + 1) {
-            prefetch_l2(k_head + (int64_t)table[b] * bs * D, bs * D * (int64_t)sizeof(uint16_t));
-            prefetch_l2(v_head + (int64_t)table[b] * bs * D, bs * D * (int64_t)sizeof(uint16_t));
-        }
     KeyWalk w = {table, bs, 0, 0, D};
     for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = ctx - t0 < 16 ? ctx - t0 : 16;
@@ -244,30 +244,29 @@ static void decode_task_avx512(const uint16_t *q, const uint16_t *k_head,
 }
 #endif
 
-/* Paged attention, one query row per entry: entry i is q/out row q_rows[i], reading the
- * block table row table_rows[i] of block_tables [num_tables, max_blocks] (int32) and its first
- * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
- * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
- * which is causal attention. */
 /* Every index the kernel will follow lies inside its tensor: bad metadata is refused, not
- * read or written out of bounds. O(blocks visited), small next to the attention itself. */
+ * read or written out of bounds. Every block table entry must be a block id (pad with 0), so
+ * the tables are checked once, not once per query row that shares them. */
 static int metadata_valid(const int32_t *block_tables, int64_t num_tables,
                           const int32_t *table_rows, const int32_t *context_lens,
                           const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries,
                           int64_t max_blocks, int64_t block_size, int64_t num_slots) {
     const int64_t num_blocks = num_slots / block_size;
-    for (int64_t i = 0; i < num_entries; i++) {
-        const int64_t row = table_rows[i], ctx = context_lens[i];
-        if (row < 0 || row >= num_tables || ctx < 1 || ctx > max_blocks * block_size
-            || q_rows[i] < 0 || q_rows[i] >= num_q_rows)
+    for (int64_t i = 0; i < num_tables * max_blocks; i++)
+        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return 0;
+    for (int64_t i = 0; i < num_entries; i++)
+        if (table_rows[i] < 0 || table_rows[i] >= num_tables || context_lens[i] < 1
+            || context_lens[i] > max_blocks * block_size || q_rows[i] < 0
+            || q_rows[i] >= num_q_rows)
             return 0;
-        const int32_t *table = block_tables + row * max_blocks;
-        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
-            if (table[b] < 0 || table[b] >= num_blocks) return 0;
-    }
     return 1;
 }
 
+/* Paged attention, one query row per entry: entry i is q/out row q_rows[i], reading the
+ * block table row table_rows[i] of block_tables [num_tables, max_blocks] (int32) and its first
+ * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
+ * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
+ * which is causal attention. */
 #define DEFINE_KERNEL(NAME, TASK, T, LOAD, STORE, FAST)                                       \
 DEFINE_TASK(TASK, T, LOAD)                                                                    \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,         \
@@ -296,6 +295,8 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + (int64_t)table_rows[seq] * max_blocks;          \
+        prefetch_runs(k_head, v_head, table, ctx, block_size,                                 \
+                      block_size * D * (int64_t)sizeof(T));                                   \
         if (FAST(q_seq, k_head, v_head, table, ctx, block_size, group, D, scale, qf, o_seq)) { \
             free(qf);                                                                         \
             continue;                                                                         \
@@ -319,14 +320,14 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 #ifdef KVFLOW_AVX512_BF16
 #define AVX512_BF16_PATH(q, k, v, table, ctx, bs, group, D, scale, scratch, out)              \
     ((D) % 32 == 0 && (D) <= 256                                                              \
-     && (decode_task_avx512(q, k, v, table, ctx, bs, group, D, scale, scratch, out), 1))
+     && (row_task_avx512(q, k, v, table, ctx, bs, group, D, scale, scratch, out), 1))
 #else
 #define AVX512_BF16_PATH NO_FAST_PATH
 #endif
 
-DEFINE_KERNEL(paged_attention_bf16, decode_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16,
+DEFINE_KERNEL(paged_attention_bf16, row_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16,
               AVX512_BF16_PATH)
-DEFINE_KERNEL(paged_attention_f32, decode_task_f32, float, f32_to_f32, f32_to_f32, NO_FAST_PATH)
+DEFINE_KERNEL(paged_attention_f32, row_task_f32, float, f32_to_f32, f32_to_f32, NO_FAST_PATH)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions

@@ -1,4 +1,4 @@
-"""Paged attention in plain torch: the CPU path and the reference for the other backends.
+"""Paged attention in plain torch: the CPU fallback and the reference for the other backends.
 
 Prefills: one scaled_dot_product_attention call per request (torch's fused CPU kernel, causal,
 grouped-query) over that request's K/V gathered from its blocks; measured 2.5x faster than a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors
 from kvflow.workers.model_runner import ModelRunner
 from kvflow.workers.models.llama import MODELS, LlamaForCausalLM
-from kvflow.workers.sampler import Sampler
+from kvflow.workers.sampler import Sampler, torch_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,15 @@ class Worker:
                     "decode CUDA graphs + torch.compile" if use_graphs
                     else "torch.compile" if compiled
                     else "C elementwise kernels" if self.backend.name == "cpu" else "eager")
+        argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
         if compiled:
             compile_elementwise(self.model)
-        elif self.backend.name == "cpu":       # its C library also has the elementwise ops
+        elif self.backend.name == "cpu":       # its C library has the elementwise ops, argmax
             use_cpu_kernels(self.model)
-        sampler = Sampler(config.seed, self.device)
-        if self.backend.name == "cpu":
-            from kvflow.kernels.cpu_ops import argmax
-            sampler.argmax = argmax
-        self.runner = ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0,
+            from kvflow.kernels import cpu_ops
+            argmax = cpu_ops.argmax
+        self.runner = ModelRunner(self.model, self.backend,
+                                  Sampler(config.seed, self.device, argmax), self.tp.rank == 0,
                                   self.device, self.dtype)
         self.num_blocks = self._allocate_kv_cache(self._num_blocks())
         if use_graphs:
