@@ -1,11 +1,13 @@
 """kvflow command line.
 
-    python launch.py serve --model default --tp 1 --client-address tcp://127.0.0.1:5555
+    python launch.py serve --model default --port 8000 [--client-address tcp://127.0.0.1:5555]
     python launch.py generate --model default "Write a haiku about the sea."
 
 `serve` starts the cluster (this process is the frontend; EngineCore and one worker per
-tensor-parallel rank are its children) and answers kvflow.Client / AsyncClient until SIGINT or
-SIGTERM. `generate` starts the same cluster for one prompt and streams the answer.
+tensor-parallel rank are its children) and serves the OpenAI-compatible HTTP API (/v1/completions,
+/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, /version) and, with
+--client-address, kvflow.Client / AsyncClient over ZMQ, until SIGINT or SIGTERM. `generate`
+starts the same cluster for one prompt and streams the answer.
 """
 from __future__ import annotations
 
@@ -83,18 +85,18 @@ def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from kvflow.frontend.server import Server
+    import uvloop
+
+    from kvflow.frontend.api.api_server import ServeOptions, serve
+    opts = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
+                        model_name=args.served_model_name or args.model,
+                        client_address=args.client_address,
+                        max_waiting_requests=args.max_waiting_requests)
     engine, processor = start_cluster(args)
     try:
-        server = Server(engine, processor, args.client_address)
-    except Exception:
-        engine.shutdown()
-        raise
-    logger.info("serving on %s", args.client_address)
-    try:
-        server.serve_forever()
+        uvloop.run(serve(engine, processor, opts))
     finally:
-        server.close()
+        engine.shutdown()
         logger.info("stopped")
 
 
@@ -128,9 +130,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="launch.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the cluster and serve clients over ZMQ")
-    serve.add_argument("--client-address", default="tcp://127.0.0.1:5555",
-                       help="where kvflow.Client connects (tcp://HOST:PORT or ipc://PATH)")
+    serve = sub.add_parser("serve", help="start the cluster and serve the OpenAI-compatible "
+                                         "HTTP API (and kvflow's ZMQ clients)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics "
+                            "stay open)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and /v1/models lists (default: the "
+                            "--model value)")
+    serve.add_argument("--client-address", default=None,
+                       help="also serve kvflow.Client / AsyncClient here (tcp://HOST:PORT or "
+                            "ipc://PATH); off when not given")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 (with Retry-After) at once when this many requests "
+                            "already wait for the engine (default: no limit)")
     add_engine_args(serve)
     gen = sub.add_parser("generate", help="run one prompt and stream the answer")
     gen.add_argument("prompt")

@@ -1,4 +1,6 @@
 """kvflow: a compact LLM inference engine (paged KV cache, continuous batching, prefix caching)."""
+__version__ = "0.1.0"
+
 from kvflow.errors import EngineDeadError
 from kvflow.frontend.client import AsyncClient, Client
 from kvflow.frontend.llm import LLM

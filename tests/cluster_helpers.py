@@ -1,6 +1,6 @@
 """Helpers for tests that run the real cluster (launch.py serve, or LLM's child processes).
 
-- `ServeProcess`: `launch.py serve` on a free port; `wait_serving()` waits for its "serving on"
+- `ServeProcess`: `launch.py serve` on free ports (ZMQ `address`, HTTP `url`); `wait_serving()` waits for its "serving on"
   log line (or raises with the log if it exits first); `tree()` lists it and its descendants.
 - Every process a test starts carries a unique tag in its environment (children inherit it),
   so `tagged_processes(tag)` finds them all, even those reparented after their parent died.
@@ -31,10 +31,14 @@ def new_tag() -> str:
     return uuid.uuid4().hex
 
 
-def free_tcp_address() -> str:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return int(s.getsockname()[1])
+
+
+def free_tcp_address() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def exited(p: psutil.Process) -> bool:
@@ -124,10 +128,12 @@ class ServeProcess:
     def __init__(self, *args: str, model: str = "default", kv_cache_memory_gb: float = 0.1,
                  env: dict[str, str] | None = None) -> None:
         self.address = free_tcp_address()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.tag = new_tag()
         full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}
         cmd = [sys.executable, os.path.join(REPO, "launch.py"), "serve", "--client-address",
-               self.address, "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
+               self.address, "--port", str(self.port), "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
                *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

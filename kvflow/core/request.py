@@ -29,6 +29,7 @@ class Request:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1       # set once, when first scheduled
+        self.queue_seconds = 0.0          # arrival (frontend's clock) to first scheduling
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0    # leading blocks whose hash is in the prefix cache

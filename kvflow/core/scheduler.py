@@ -11,6 +11,7 @@ request is preempted (blocks freed, recomputed later) and goes to the front of t
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from kvflow.core.block_manager import BlockManager
@@ -83,6 +84,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:     # first admission: count it for the stats
                 request.num_cached_tokens = num_cached
+                if request.arrival_time:
+                    request.queue_seconds = max(0.0, time.time() - request.arrival_time)
                 self.block_manager.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             request.status = Status.RUNNING
@@ -139,7 +142,9 @@ class Scheduler:
             logprobs = [result.logprobs[i]] if result.logprobs is not None else None
             deltas.append(RequestDelta(request.request_id, [token_id], request.finish_reason,
                                        logprobs if request.sampling_params.logprobs is not None
-                                       else None, request.num_cached_tokens))
+                                       else None, request.num_cached_tokens,
+                                       queue_seconds=(request.queue_seconds
+                                                      if request.num_output_tokens == 1 else 0.0)))
             if request.finish_reason is not None:
                 self._finish(request)
         self.check()
@@ -147,7 +152,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
-        if ((not params.ignore_eos and token_id in self.eos_token_ids)
+        # Below min_tokens the sampler masks EOS and stop ids; vLLM never stops there either.
+        if request.num_output_tokens < params.min_tokens:
+            pass
+        elif ((not params.ignore_eos and token_id in self.eos_token_ids)
                 or (params.stop_token_ids and token_id in params.stop_token_ids)):
             request.finish_reason = FINISH_STOP
         elif (request.num_output_tokens >= params.max_tokens

@@ -142,6 +142,14 @@ class MultiprocEngine:
         msg = self._recv(timeout)
         return msg if isinstance(msg, EngineOutputs) else None
 
+    def drain(self) -> list[EngineOutputs]:
+        """Every EngineOutputs waiting now, without blocking; EngineDeadError if it died."""
+        found = []
+        while (msg := self._recv(0)) is not None:
+            if isinstance(msg, EngineOutputs):
+                found.append(msg)
+        return found
+
     def utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
         """Call a utility method in EngineCore; outputs that arrive meanwhile are dropped, so
         call it only when no request is running."""

@@ -43,6 +43,7 @@ class RequestDelta(_Hot):
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_seconds: float = 0.0       # on a request's first token: arrival to first scheduling
 
 
 class EngineStats(_Hot):

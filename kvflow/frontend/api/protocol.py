@@ -1,0 +1,219 @@
+"""OpenAI request bodies as msgspec Structs, and their translation into SamplingParams.
+
+Every problem raises `ApiError(400, message, param)` naming the field. Fields that would change
+results and that kvflow does not implement (tools, response formats, guided decoding, ...) are
+refused by name rather than ignored; fields that change nothing (user, metadata, ...) are
+accepted and ignored, as OpenAI and vLLM do.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import msgspec
+
+from kvflow.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+# Fields kvflow does not implement: the values it accepts (those that change nothing).
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "use_beam_search": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "skip_special_tokens": lambda v: v in (None, True),
+    "continue_final_message": lambda v: not v,
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not v,
+    "documents": lambda v: not v,
+    "logits_processors": lambda v: not v,
+}
+_CHAT_ONLY_UNSUPPORTED = {"echo": lambda v: not v}
+
+
+def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode and type-check a JSON body into `kind`; 400 naming the field otherwise."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the JSON body must be an object")
+    raw = {k: v for k, v in raw.items() if v is not None}    # null is "not given"
+    unsupported = {**_UNSUPPORTED, **(_CHAT_ONLY_UNSUPPORTED if kind is ChatRequest else {})}
+    for name, accepted in unsupported.items():
+        if name in raw and not accepted(raw[name]):
+            raise ApiError(400, f"{name}={raw[name]!r} is not supported by kvflow", name)
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as e:
+        match = re.search(r"at `\$\.(\w+)", str(e))
+        raise ApiError(400, f"invalid request: {e}", match.group(1) if match else None) from None
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, strings, token ids, or lists of token ids."""
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x)
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if is_ids(prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(is_ids(p) and p for p in prompt):
+            return list(prompt)
+    if prompt is None:
+        raise ApiError(400, "prompt is required", "prompt")
+    if prompt == [] or prompt == [[]]:
+        raise ApiError(400, "prompt is empty", "prompt")
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or "
+                        "a list of lists of token ids", "prompt")
+
+
+def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+    """Messages for the chat template: roles checked, text parts joined."""
+    if not request.messages:
+        raise ApiError(400, "messages must not be empty", "messages")
+    out = []
+    for i, m in enumerate(request.messages):
+        if m.role not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role={m.role!r} is not supported (system, "
+                                "developer, user, assistant)", "messages")
+        out.append({"role": m.role, "content": _content(m.content, i)})
+    return out
+
+
+def _content(content: str | list[TextPart] | None, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{i}].content: part type {part.type!r} is not "
+                                "supported (only text)", "messages")
+    return "\n".join(part.text or "" for part in content)
+
+
+def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
+                    choice: int) -> SamplingParams:
+    """The SamplingParams of one choice (n > 1 gives each its own seed)."""
+    if request.n < 1:
+        raise ApiError(400, f"n={request.n} must be >= 1", "n")
+    if request.logit_bias is not None and not all(re.fullmatch(r"-?\d+", k)
+                                                  for k in request.logit_bias):
+        raise ApiError(400, "logit_bias keys must be token ids", "logit_bias")
+    try:
+        return SamplingParams(
+            temperature=request.temperature, top_p=request.top_p,
+            top_k=-1 if request.top_k in (None, 0) else request.top_k, min_p=request.min_p,
+            max_tokens=max_tokens, stop=_stop_list(request.stop),
+            stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+            seed=None if request.seed is None else request.seed + choice, logprobs=logprobs,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=({int(k): v for k, v in request.logit_bias.items()}
+                        if request.logit_bias else None),
+            min_tokens=request.min_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output)
+    except ValueError as e:
+        raise value_error(e) from None
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str] | None:
+    if isinstance(stop, str):
+        return [stop]
+    return stop or None
+
+
+def value_error(e: ValueError) -> ApiError:
+    """The engine's ValueError as a 400, with the field it names as `param`."""
+    message = str(e)
+    match = re.search(r"SamplingParams\.(\w+)=", message)
+    if match:
+        return ApiError(400, message, match.group(1))
+    if "logit_bias" in message:
+        return ApiError(400, message, "logit_bias")
+    if "prompt" in message or "max_model_len" in message:
+        return ApiError(400, message, "prompt" if "max_tokens" not in message else "max_tokens")
+    return ApiError(400, message)

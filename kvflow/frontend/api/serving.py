@@ -1,0 +1,258 @@
+"""/v1/completions and /v1/chat/completions on the AsyncEngine: one engine request per prompt
+and choice, answered whole or as server-sent events in OpenAI's shapes (vLLM's where OpenAI
+leaves a choice: choice index = prompt index x n + choice, finish_reason on the chunk that
+carries the last text, usage counted once per prompt)."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from kvflow.errors import EngineDeadError
+from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
+                                          chat_messages, completion_prompts, sampling_params,
+                                          value_error)
+from kvflow.frontend.async_engine import AsyncEngine, Delta, RequestStream
+from kvflow.frontend.processor import Prompt
+from kvflow.frontend.tokenizer import Tokenizer
+from kvflow.ipc.messages import FINISH_ERROR
+from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_encode = msgspec.json.encode
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    echo: str = ""                   # prompt text to put before the output (completions)
+    num_text_sent: int = 0           # characters before this chunk (completions' text_offset)
+    started: bool = False            # chat: the role was sent
+
+
+@dataclass
+class Job:
+    """One API request: its choices, and what its responses share."""
+    kind: str                        # "text_completion" | "chat.completion"
+    model: str
+    choices: list[Choice] = field(default_factory=list)
+    id: str = ""
+    created: int = 0
+    top_logprobs: int | None = None  # chat: how many alternatives per token
+
+    def __post_init__(self) -> None:
+        prefix = "cmpl" if self.kind == "text_completion" else "chatcmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer: Tokenizer = engine.processor.tokenizer
+        self.max_model_len = engine.processor.config.model.max_model_len
+
+    # --- building requests -----------------------------------------------------------------
+
+    def completion_items(self, req: CompletionRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs={req.logprobs} must be in [0, {MAX_LOGPROBS}]",
+                           "logprobs")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported by "
+                                "kvflow", "echo")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, f"best_of={req.best_of} other than n={req.n} is not supported "
+                                "by kvflow", "best_of")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        return [(p, [sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
+                for p in completion_prompts(req.prompt)]
+
+    def chat_items(self, req: ChatRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs={top} must be in [0, {MAX_LOGPROBS}]",
+                           "top_logprobs")
+        try:
+            text = self.tokenizer.apply_chat_template(chat_messages(req),
+                                                      req.add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        prompt = self.tokenizer.encode(text)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:                   # OpenAI: as much as the context leaves
+            max_tokens = max(1, self.max_model_len - len(prompt))
+        logprobs = top if req.logprobs else None
+        return [(prompt, [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)])]
+
+    @asynccontextmanager
+    async def submit(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
+                     echo: bool = False) -> AsyncIterator[Job]:
+        """Every choice submitted (all or none); leaving the block aborts the unfinished."""
+        try:
+            for prompt_index, (prompt, params) in enumerate(items):
+                for p in params:
+                    stream = self.engine.add(prompt, p)
+                    text = self._prompt_text(stream) if echo else ""
+                    job.choices.append(Choice(len(job.choices), prompt_index, stream, text))
+            yield job
+        except ValueError as e:
+            raise value_error(e) from None
+        finally:
+            for c in job.choices:
+                if not c.stream.finished:
+                    self.engine.abort(c.stream.request_id)
+
+    def _prompt_text(self, stream: RequestStream) -> str:
+        out = stream.output
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(
+            out.prompt_token_ids)
+
+    # --- whole responses -------------------------------------------------------------------
+
+    async def respond(self, job: Job) -> dict[str, Any]:
+        await asyncio.gather(*(_drain(c.stream) for c in job.choices))
+        return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model,
+                "choices": [self._whole_choice(job, c) for c in job.choices],
+                "usage": self.usage(job)}
+
+    def _whole_choice(self, job: Job, c: Choice) -> dict[str, Any]:
+        out = c.stream.output
+        if job.kind == "text_completion":
+            logprobs = (self.completion_logprobs(c, out.token_ids, out.logprobs)
+                        if out.logprobs is not None else None)
+            return {"index": c.index, "text": c.echo + out.text, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason, "stop_reason": None}
+        return {"index": c.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": self.chat_logprobs(job, out.token_ids, out.logprobs),
+                "finish_reason": out.finish_reason}
+
+    def usage(self, job: Job) -> dict[str, Any]:
+        firsts = {c.prompt_index: c.stream.output for c in reversed(job.choices)}
+        prompt = sum(len(o.prompt_token_ids) for o in firsts.values())
+        completion = sum(len(c.stream.output.token_ids) for c in job.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(
+                    o.num_cached_tokens for o in firsts.values())}}
+
+    # --- streams ---------------------------------------------------------------------------
+
+    async def events(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: chunks as choices advance, the usage chunk, [DONE]. An error
+        after the stream started is sent as an error event."""
+        try:
+            async for c, delta in _merged(job.choices):
+                yield _sse(self._chunk(job, c, delta, include_usage))
+            if include_usage:
+                yield _sse({"id": job.id, "object": _chunk_kind(job), "created": job.created,
+                            "model": job.model, "choices": [], "usage": self.usage(job)})
+        except (ApiError, EngineDeadError) as e:
+            yield _sse(error_body(e if isinstance(e, ApiError) else ApiError(
+                503, str(e), kind="service_unavailable")))
+        yield b"data: [DONE]\n\n"
+
+    def _chunk(self, job: Job, c: Choice, delta: Delta, include_usage: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": c.index}
+        if job.kind == "text_completion":
+            text = delta.text if c.started else c.echo + delta.text
+            choice.update(text=text, logprobs=(self.completion_logprobs(
+                c, delta.token_ids, delta.logprobs) if delta.logprobs is not None else None))
+            choice.update(finish_reason=delta.finish_reason, stop_reason=None)
+        else:
+            message = {"content": delta.text} if c.started else {"role": "assistant",
+                                                                  "content": delta.text}
+            choice.update(delta=message, logprobs=self.chat_logprobs(job, delta.token_ids,
+                                                                     delta.logprobs),
+                          finish_reason=delta.finish_reason)
+        c.started = True
+        chunk = {"id": job.id, "object": _chunk_kind(job), "created": job.created,
+                 "model": job.model, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # --- logprobs --------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, c: Choice, token_ids: list[int],
+                            logprobs: list[dict[int, float]] | None) -> dict[str, Any]:
+        """The legacy completions shape: tokens, their logprobs, the top ones, offsets."""
+        assert logprobs is not None
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(len(c.echo) + c.num_text_sent)
+            c.num_text_sent += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [{self.token_text(k): v for k, v in lp.items()}
+                                 for lp in logprobs], "text_offset": offsets}
+
+    def chat_logprobs(self, job: Job, token_ids: list[int],
+                      logprobs: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        k = job.top_logprobs or 0
+        return {"content": [
+            {**self._entry(t, lp[t]), "top_logprobs": [
+                self._entry(i, v) for i, v in sorted(lp.items(), key=lambda x: -x[1])[:k]]}
+            for t, lp in zip(token_ids, logprobs)]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+async def _drain(stream: RequestStream) -> None:
+    while (await stream.next()).finish_reason is None:
+        pass
+    _check_error(stream)
+
+
+def _check_error(stream: RequestStream) -> None:
+    out = stream.output
+    if out.finish_reason == FINISH_ERROR:
+        raise ApiError(400, out.error or "the engine rejected the request")
+
+
+async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Every choice's deltas as they come, until all finished."""
+    pending = {asyncio.ensure_future(c.stream.next()): c for c in choices}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                c = pending.pop(task)
+                delta = task.result()
+                if delta.finish_reason is None:
+                    pending[asyncio.ensure_future(c.stream.next())] = c
+                else:
+                    _check_error(c.stream)
+                yield c, delta
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def _chunk_kind(job: Job) -> str:
+    return "text_completion" if job.kind == "text_completion" else "chat.completion.chunk"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param,
+                      "code": e.status}}
