@@ -152,11 +152,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
-        # Below min_tokens the sampler masks EOS and stop ids; vLLM never stops there either.
-        if request.num_output_tokens < params.min_tokens:
-            pass
-        elif ((not params.ignore_eos and token_id in self.eos_token_ids)
-                or (params.stop_token_ids and token_id in params.stop_token_ids)):
+        # Below min_tokens the sampler masks EOS and stop ids; vLLM never stops on them there.
+        stop_ids_apply = request.num_output_tokens >= params.min_tokens
+        if stop_ids_apply and ((not params.ignore_eos and token_id in self.eos_token_ids)
+                               or (params.stop_token_ids and token_id in params.stop_token_ids)):
             request.finish_reason = FINISH_STOP
         elif (request.num_output_tokens >= params.max_tokens
               or request.num_tokens >= self.max_model_len):

@@ -19,6 +19,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, max_mo
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+    bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
     need = -(-(num_prompt + params.max_tokens) // block_size)
     if need > num_blocks:
         return (f"prompt length {num_prompt} + max_tokens={params.max_tokens} needs {need} KV "

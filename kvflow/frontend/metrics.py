@@ -7,7 +7,8 @@ prefix cache, preemptions) come from the EngineStats that ride on every EngineOu
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics)
 
 from kvflow.ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineStats
 
@@ -19,6 +20,7 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 
 class Metrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()     # no `*_created` series (vLLM turns them off too)
         self.registry = registry or CollectorRegistry()
         labels = {"model_name": model_name}
 

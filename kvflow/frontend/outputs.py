@@ -63,11 +63,15 @@ class RequestTracker:
     def _add_text(self, token_id: int) -> bool:
         before = len(self.output.text)
         self.output.text += self.detokenizer.add(token_id)
+        # vLLM's rule: stop strings are looked for from the token after the first min_tokens.
+        if len(self.output.token_ids) <= self.params.min_tokens:
+            return False
         text = self.output.text
         for stop in self.stops:
             at = text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:
-                self.output.text = text[:at]
+                keep = len(stop) if self.params.include_stop_str_in_output else 0
+                self.output.text = text[:at + keep]
                 return True
         return False
 

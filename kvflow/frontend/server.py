@@ -9,6 +9,7 @@ collide.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import msgspec
@@ -45,13 +46,16 @@ class ZmqServer:
                 key = (identity, msg.request_id)
                 task = asyncio.get_running_loop().create_task(self.serve(identity, msg))
                 self.tasks[key] = task
-                task.add_done_callback(lambda _, key=key: self.tasks.pop(key, None))
+                task.add_done_callback(functools.partial(self._forget, key))
             elif isinstance(msg, ClientAbort):
-                task = self.tasks.get((identity, msg.request_id))
-                if task is not None:
-                    task.cancel()                   # leaving the stream aborts the request
+                running = self.tasks.get((identity, msg.request_id))
+                if running is not None:
+                    running.cancel()                # leaving the stream aborts the request
             elif isinstance(msg, ClientStatsRequest):
                 await self.reply(identity, ClientStats(msg.request_id, self.engine.stats))
+
+    def _forget(self, key: tuple[bytes, str], _: asyncio.Task) -> None:
+        self.tasks.pop(key, None)
 
     async def serve(self, identity: bytes, msg: ClientRequest) -> None:
         try:

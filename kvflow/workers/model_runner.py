@@ -119,6 +119,7 @@ class ModelRunner:
         decodes: list[SeqSpan] = []
         prefills: list[SeqSpan] = []
         logits_rows, sampled_ids, params, out_pos = [], [], [], []
+        token_ids: list[list[int]] = []    # references, for the sampler's penalties
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
             state = self.requests[request_id]
@@ -136,8 +137,9 @@ class ModelRunner:
                 sampled_ids.append(request_id)
                 params.append(state.sampling_params)
                 out_pos.append(end - state.num_prompt_tokens)
+                token_ids.append(state.token_ids)
             row += n
-        sampling = SamplingBatch(params, out_pos)
+        sampling = SamplingBatch(params, out_pos, token_ids)
         rows = self._tensor(np.asarray(logits_rows, dtype=np.int64))
         ids, pos, slot_mapping = (np.concatenate(a) for a in (input_ids, positions, slots))
         if self.graphs is not None and not prefills and self.graphs.fits(decodes):
@@ -167,8 +169,12 @@ class ModelRunner:
         hidden = self.model(ids, self._tensor(np.tile(pos, num_seqs)), meta)
         logits = self.model.compute_logits(hidden[-1:].expand(max_num_seqs, -1))
         if logits is not None:                        # a throwaway sampler: no RNG state used
-            params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)] * max_num_seqs
-            Sampler(0, self.device)(logits, SamplingBatch(params, [0] * max_num_seqs))
+            # Penalties too: their [rows, vocab] tensors count towards the peak.
+            params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1, min_tokens=1,
+                                     repetition_penalty=1.1, frequency_penalty=0.1)
+                      ] * max_num_seqs
+            Sampler(0, self.device, eos_token_ids=[0])(
+                logits, SamplingBatch(params, [0] * max_num_seqs, [[0]] * max_num_seqs))
 
     def profile_num_blocks(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         seq_len, num_seqs = self._profile_shape(num_tokens, max_num_seqs, max_model_len)

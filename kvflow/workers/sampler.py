@@ -1,25 +1,32 @@
 """Sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Masks follow HF's warper order (temperature, top-k, top-p, min-p). A token is drawn as
-argmax(probs / E) with E ~ Exponential(1), which is an exact draw from `probs`; a seeded
-request draws its E from a generator seeded by (seed, output position), so its tokens do not
-depend on what else is in the batch, nor on preemption. Everything runs on the logits' device
-(on CUDA: CUDA generators, so seeded draws differ from the CPU's, but are as reproducible).
+Requests with min_tokens, logit_bias or penalties first get their logits processed
+(logits_processors.py, on a float32 copy); greedy rows then take the argmax of those; a batch
+without them skips this entirely. Masks follow HF's warper order (temperature, top-k, top-p,
+min-p). A token is drawn as argmax(probs / E) with E ~ Exponential(1), which is an exact draw
+from `probs`; a seeded request draws its E from a generator seeded by (seed, output position),
+so its tokens do not depend on what else is in the batch, nor on preemption. Everything runs
+on the logits' device (on CUDA: CUDA generators, so seeded draws differ from the CPU's, but are
+as reproducible).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from kvflow.sampling_params import SamplingParams
+from kvflow.workers.logits_processors import apply_logits_processors
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     params: list[SamplingParams]
     output_positions: list[int]        # index of the token being sampled in each output
+    # Each row's prompt + output token ids so far (the runner's own lists, not copies), of
+    # which the last output_positions[i] are outputs; read only for params.processes_logits.
+    token_ids: Sequence[list[int]] = ()
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -48,23 +55,37 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = argmax        # row argmax, first index of the max (the C one on CPU)
+        self.eos_token_ids = tuple(eos_token_ids)      # masked while below min_tokens
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
         """logits: [batch, vocab], any float dtype -> sampled ids and (if any asked) logprob
         dicts. Greedy rows take the argmax of the logits as they are (a bf16 -> float32 cast
-        is exact, so it cannot change it); draws and logprobs are computed in float32."""
+        is exact, so it cannot change it); draws and logprobs are computed in float32.
+        Logprobs always come from the raw logits, processed or not."""
         params = batch.params
-        token_ids = self.argmax(logits)
+        scores = logits
+        if any(p.processes_logits for p in params):
+            scores = self._process(logits, batch)                   # float32 copy
+        token_ids = self.argmax(scores)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            drawn = self._draw(logits.float(), batch)
+            drawn = self._draw(scores.float(), batch)
             token_ids = torch.where(greedy, token_ids, drawn)
         ids = token_ids.tolist()
         return ids, self._logprobs(logits, params, ids)
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A processed float32 copy of logits ([batch, vocab]); rows without settings keep
+        their values exactly (a cast), so they sample as they would alone."""
+        assert len(batch.token_ids) == len(batch.params), "processing needs the token ids"
+        return apply_logits_processors(logits.to(torch.float32, copy=True), batch.params,
+                                       batch.token_ids, batch.output_positions,
+                                       self.eos_token_ids)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params

@@ -75,7 +75,8 @@ class Worker:
             from kvflow.kernels import cpu_ops
             argmax = cpu_ops.argmax
         self.runner = ModelRunner(self.model, self.backend,
-                                  Sampler(config.seed, self.device, argmax), self.tp.rank == 0,
+                                  Sampler(config.seed, self.device, argmax,
+                                          config.model.eos_token_ids), self.tp.rank == 0,
                                   self.device, self.dtype)
         self.num_blocks = self._allocate_kv_cache(self._num_blocks())
         if use_graphs:

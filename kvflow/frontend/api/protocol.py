@@ -127,8 +127,9 @@ def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
-        match = re.search(r"at `\$\.(\w+)", str(e))
-        raise ApiError(400, f"invalid request: {e}", match.group(1) if match else None) from None
+        match = re.search(r"at `\$\.(\w+)|missing required field `(\w+)`", str(e))
+        param = next((g for g in match.groups() if g), None) if match else None
+        raise ApiError(400, f"invalid request: {e}", param) from None
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -174,11 +175,17 @@ def _content(content: str | list[TextPart] | None, i: int) -> str:
     return "\n".join(part.text or "" for part in content)
 
 
+def choice_params(request: _Sampling, max_tokens: int, logprobs: int | None
+                  ) -> list[SamplingParams]:
+    """The SamplingParams of each of the request's n choices."""
+    if request.n < 1:
+        raise ApiError(400, f"n={request.n} must be >= 1", "n")
+    return [sampling_params(request, max_tokens, logprobs, i) for i in range(request.n)]
+
+
 def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
                     choice: int) -> SamplingParams:
     """The SamplingParams of one choice (n > 1 gives each its own seed)."""
-    if request.n < 1:
-        raise ApiError(400, f"n={request.n} must be >= 1", "n")
     if request.logit_bias is not None and not all(re.fullmatch(r"-?\d+", k)
                                                   for k in request.logit_bias):
         raise ApiError(400, "logit_bias keys must be token ids", "logit_bias")

@@ -15,7 +15,7 @@ import msgspec
 
 from kvflow.errors import EngineDeadError
 from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
-                                          chat_messages, completion_prompts, sampling_params,
+                                          chat_messages, choice_params, completion_prompts,
                                           value_error)
 from kvflow.frontend.async_engine import AsyncEngine, Delta, RequestStream
 from kvflow.frontend.processor import Prompt
@@ -72,8 +72,8 @@ class Serving:
             raise ApiError(400, f"best_of={req.best_of} other than n={req.n} is not supported "
                                 "by kvflow", "best_of")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        return [(p, [sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
-                for p in completion_prompts(req.prompt)]
+        params = choice_params(req, max_tokens, req.logprobs)
+        return [(p, params) for p in completion_prompts(req.prompt)]
 
     def chat_items(self, req: ChatRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
         if req.top_logprobs is not None and not req.logprobs:
@@ -92,7 +92,7 @@ class Serving:
         if max_tokens is None:                   # OpenAI: as much as the context leaves
             max_tokens = max(1, self.max_model_len - len(prompt))
         logprobs = top if req.logprobs else None
-        return [(prompt, [sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)])]
+        return [(prompt, choice_params(req, max_tokens, logprobs))]
 
     @asynccontextmanager
     async def submit(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
