@@ -108,6 +108,21 @@ def test_completions_equal_llm_generate(server: ServeProcess, llm: LLM) -> None:
     assert r.usage.prompt_tokens == len(TOKEN_PROMPT) + 3
 
 
+def test_echo_and_stop_strings(server: ServeProcess, llm: LLM) -> None:
+    c = client(server)
+    [ref] = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    r = c.completions.create(model="default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                             temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[0] + ref.text
+    stop = ref.text[3:6]                       # a stop string the greedy text will meet
+    kw: dict[str, Any] = dict(model="default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                              temperature=0, stop=stop)
+    cut = c.completions.create(**kw).choices[0]
+    assert cut.text == ref.text[:ref.text.index(stop)] and cut.finish_reason == "stop"
+    kept = c.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == ref.text[:ref.text.index(stop) + len(stop)]
+
+
 def test_chat_equals_llm_chat(server: ServeProcess, llm: LLM) -> None:
     c = client(server)
     models = c.models.list().data

@@ -3,8 +3,8 @@ min_tokens (EOS and stop token ids to -inf) and logit_bias, then the repetition 
 prompt + output), frequency and presence (OpenAI's, over the output) penalties.
 
 Everything is per row, so a row's result never depends on the rest of the batch, and only the
-rows whose params ask for it are touched. Token histories become a [rows, vocab] count tensor
-in one bincount, never a Python loop over the vocabulary.
+rows whose params ask for it are touched. Penalties touch only the (row, token) pairs a row has
+seen (torch.unique over row * vocab + id keys), never a Python loop or a [rows, vocab] count.
 """
 from __future__ import annotations
 
@@ -65,26 +65,26 @@ def _mask_and_bias(logits: torch.Tensor, params: list[SamplingParams],
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     token_ids: Sequence[list[int]], output_positions: list[int]) -> None:
-    """logits: [rows, vocab] float32, in place; vLLM's apply_penalties, step for step, less
-    the steps no row uses (most requests set only one kind of penalty)."""
+    """logits: [rows, vocab] float32, in place; vLLM's penalties, touching only the (row,
+    token) pairs a row has seen: O(tokens), not O(rows x vocab)."""
     keys, is_output = token_keys(token_ids, output_positions, logits.shape[-1], logits.device)
-    output_counts = torch.bincount(keys[is_output], minlength=logits.numel()
-                                   ).view_as(logits)                       # [rows, vocab]
-    in_output = output_counts > 0
+    flat = logits.view(-1)                                                 # [rows * vocab]
+    vocab = logits.shape[-1]
     if any(p.repetition_penalty != 1.0 for p in params):
-        in_prompt = torch.bincount(keys[~is_output], minlength=logits.numel()
-                                   ).view_as(logits) > 0                   # [rows, vocab]
-        repetition = _column([p.repetition_penalty for p in params], logits)
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits.copy_(torch.where(in_prompt | in_output, penalised, logits))
-    if any(p.frequency_penalty != 0.0 for p in params):
-        logits -= _column([p.frequency_penalty for p in params], logits) * output_counts
-    if any(p.presence_penalty != 0.0 for p in params):
-        logits -= _column([p.presence_penalty for p in params], logits) * in_output
+        seen = torch.unique(keys)                                          # prompt + output
+        penalty = _per_row([p.repetition_penalty for p in params], logits)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out_keys, counts = torch.unique(keys[is_output], return_counts=True)
+        row = out_keys // vocab
+        frequency = _per_row([p.frequency_penalty for p in params], logits)[row]
+        presence = _per_row([p.presence_penalty for p in params], logits)[row]
+        flat.index_add_(0, out_keys, -(frequency * counts + presence))
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)  # [rows, 1]
+def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)     # [rows]
 
 
 def token_keys(token_ids: Sequence[list[int]], output_positions: list[int], vocab: int,
