@@ -138,6 +138,12 @@ def test_chat_equals_llm_chat(server: ServeProcess, llm: LLM) -> None:
         r = c.chat.completions.create(model="default", messages=messages,  # type: ignore
                                       max_completion_tokens=24, temperature=0)
         assert r.choices[0].message.content == ref.text
+    # No max_tokens: as many as the context and the KV cache leave (an EOS ends it first).
+    [ref] = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=400), use_tqdm=False)
+    assert ref.finish_reason == "stop"
+    r = c.chat.completions.create(model="default", messages=CHATS[0],  # type: ignore
+                                  temperature=0)
+    assert r.choices[0].message.content == ref.text
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name three"},
                                           {"type": "text", "text": "primes."}]}]
     [ref] = llm.chat([{"role": "user", "content": "Name three\nprimes."}],

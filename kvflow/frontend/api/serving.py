@@ -57,7 +57,9 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer: Tokenizer = engine.processor.tokenizer
-        self.max_model_len = engine.processor.config.model.max_model_len
+        processor = engine.processor
+        self.max_context = min(processor.config.model.max_model_len,
+                               processor.num_blocks * processor.config.cache.block_size)
 
     # --- building requests -----------------------------------------------------------------
 
@@ -89,8 +91,8 @@ class Serving:
             raise ApiError(400, str(e), "messages") from None
         prompt = self.tokenizer.encode(text)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:                   # OpenAI: as much as the context leaves
-            max_tokens = max(1, self.max_model_len - len(prompt))
+        if max_tokens is None:      # OpenAI: what the context (and here the KV cache) leaves
+            max_tokens = max(1, self.max_context - len(prompt))
         logprobs = top if req.logprobs else None
         return [(prompt, choice_params(req, max_tokens, logprobs))]
 
