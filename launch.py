@@ -12,8 +12,10 @@ starts the same cluster for one prompt and streams the answer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from typing import Any
 
 logger = logging.getLogger("kvflow")
 
@@ -85,16 +87,20 @@ def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvloop
+    import asyncio
 
     from kvflow.frontend.api.api_server import ServeOptions, serve
+    run: Any = asyncio.run                 # uvloop where it exists (not on Windows)
+    with contextlib.suppress(ImportError):
+        import uvloop
+        run = uvloop.run
     opts = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                         model_name=args.served_model_name or args.model,
                         client_address=args.client_address,
                         max_waiting_requests=args.max_waiting_requests)
     engine, processor = start_cluster(args)
     try:
-        uvloop.run(serve(engine, processor, opts))
+        run(serve(engine, processor, opts))
     finally:
         engine.shutdown()
         logger.info("stopped")

@@ -126,14 +126,15 @@ class ServeProcess:
     """`launch.py serve` in a new session, its log collected line by line."""
 
     def __init__(self, *args: str, model: str = "default", kv_cache_memory_gb: float = 0.1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, zmq: bool = True) -> None:
         self.address = free_tcp_address()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag = new_tag()
         full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}
-        cmd = [sys.executable, os.path.join(REPO, "launch.py"), "serve", "--client-address",
-               self.address, "--port", str(self.port), "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
+        cmd = [sys.executable, os.path.join(REPO, "launch.py"), "serve",
+               *(["--client-address", self.address] if zmq else []),
+               "--port", str(self.port), "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
                *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

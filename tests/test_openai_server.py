@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_helpers import ServeProcess, tagged_processes, wait_exited
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, Client, SamplingParams
 from kvflow.frontend.tokenizer import Tokenizer
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def square(x):"]
@@ -28,9 +28,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 BLOCK_SIZE = 16
 
 
-def serve(model: str, *args: str) -> ServeProcess:
+def serve(model: str, *args: str, zmq: bool = True) -> ServeProcess:
     s = ServeProcess("--dtype", "float32", "--served-model-name", "default", *args, model=model,
-                     kv_cache_memory_gb=0.2)
+                     kv_cache_memory_gb=0.2, zmq=zmq)
     try:
         s.wait_serving()
     except Exception:
@@ -108,6 +108,17 @@ def test_completions_equal_llm_generate(server: ServeProcess, llm: LLM) -> None:
     assert r.usage.prompt_tokens == len(TOKEN_PROMPT) + 3
 
 
+def test_http_and_zmq_clients_share_one_engine(server: ServeProcess, llm: LLM) -> None:
+    [ref] = llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)
+    with Client(server.address, timeout=60) as zc:
+        stream = zc.stream(PROMPTS[2], GREEDY)
+        first = next(stream)                  # a ZMQ request in flight while HTTP is served
+        r = client(server).completions.create(model="default", prompt=PROMPTS[2],
+                                              max_tokens=MAX_TOKENS, temperature=0)
+        rest = "".join(d.text for d in stream)
+    assert r.choices[0].text == ref.text == first.text + rest
+
+
 def test_echo_and_stop_strings(server: ServeProcess, llm: LLM) -> None:
     c = client(server)
     [ref] = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
@@ -117,8 +128,10 @@ def test_echo_and_stop_strings(server: ServeProcess, llm: LLM) -> None:
     stop = ref.text[3:6]                       # a stop string the greedy text will meet
     kw: dict[str, Any] = dict(model="default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                               temperature=0, stop=stop)
+    stops = metrics(server).get("kvflow:request_success_total{finished_reason=stop}", 0)
     cut = c.completions.create(**kw).choices[0]
     assert cut.text == ref.text[:ref.text.index(stop)] and cut.finish_reason == "stop"
+    assert metrics(server)["kvflow:request_success_total{finished_reason=stop}"] == stops + 1
     kept = c.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == ref.text[:ref.text.index(stop) + len(stop)]
 
@@ -187,10 +200,12 @@ def test_usage_exact_and_cached_tokens(server: ServeProcess, tokenizer: Tokenize
     assert first.usage.prompt_tokens == num_prompt
     assert first.usage.completion_tokens == 4 and first.usage.total_tokens == num_prompt + 4
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hits = metrics(server)["kvflow:prefix_cache_hits_total"]
     again = c.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0)
     # Every full block but the one holding the last prompt token comes from the cache.
-    assert again.usage.prompt_tokens_details.cached_tokens == \
-        (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    cached = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    assert metrics(server)["kvflow:prefix_cache_hits_total"] == hits + cached
 
 
 def test_n_choices_and_seed_independent_of_batch(server: ServeProcess) -> None:
@@ -328,6 +343,25 @@ def test_bad_input_is_a_400_naming_the_field(server: ServeProcess, endpoint: str
     assert good.choices[0].finish_reason == "length"
 
 
+def test_bad_streaming_request_is_a_status_not_an_event(server: ServeProcess) -> None:
+    for body in ({"prompt": ""}, {"prompt": [10**7]}, {"prompt": "Hi", "max_tokens": 9000}):
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "default", "stream": True, **body})
+        assert r.status_code == 400 and "error" in r.json(), r.text
+
+
+def test_streamed_logprobs_equal_whole(server: ServeProcess) -> None:
+    c = client(server)
+    kw: dict[str, Any] = dict(model="default", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                              logprobs=2)
+    whole = c.completions.create(**kw).choices[0].logprobs
+    chunks = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True)
+              if ch.choices and ch.choices[0].logprobs]
+    assert [t for lp in chunks for t in lp.tokens] == whole.tokens
+    assert [x for lp in chunks for x in lp.token_logprobs] == whole.token_logprobs
+    assert [x for lp in chunks for x in lp.text_offset] == whole.text_offset
+
+
 def test_unknown_model_and_path(server: ServeProcess) -> None:
     c = client(server)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -369,6 +403,8 @@ def test_dropped_clients_are_aborted(server: ServeProcess) -> None:
     after = metrics(server)
     assert after["kvflow:request_success_total{finished_reason=abort}"] == aborts + 2
     assert after["kvflow:num_requests_waiting"] == 0
+    assert after["kvflow:kv_cache_usage_perc"] == 0
+    assert "Traceback" not in server.log and "internal error" not in server.log, server.log
     assert client(server).completions.create(model="default", prompt="Hi",
                                              max_tokens=2).usage.completion_tokens == 2
 
@@ -412,6 +448,13 @@ def test_api_key_and_back_pressure(default_model: str) -> None:
         assert httpx.get(s.url + "/metrics").status_code == 200
         c = client(s, api_key="sekrit")
         assert c.models.list().data[0].id == "default"
+        body = {"model": "default", "prompt": "Tell me a story.", "max_tokens": 500,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sekrit"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+        wait_for(lambda: metrics(s)["kvflow:num_requests_running"] == 0, 2.0)
 
         async def burst() -> list[Any]:
             ac = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0,
@@ -434,7 +477,7 @@ def test_api_key_and_back_pressure(default_model: str) -> None:
 
 
 def test_health_503_after_worker_killed(default_model: str) -> None:
-    s = serve(default_model)
+    s = serve(default_model, zmq=False)                  # HTTP only
     try:
         assert httpx.get(s.url + "/health").status_code == 200
         body = {"model": "default", "prompt": "Tell me a story.", "max_tokens": 1000,
@@ -450,8 +493,10 @@ def test_health_503_after_worker_killed(default_model: str) -> None:
         took = wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, 5.0)
         print(f"\n[latency] worker SIGKILL -> /health 503: {time.monotonic() - killed:.3f} s "
               f"(polled {took:.3f} s)")
-        r2 = httpx.post(s.url + "/v1/completions", json={"model": "default", "prompt": "Hi"})
-        assert r2.status_code == 503 and "dead" in r2.json()["error"]["message"]
+        for stream in (False, True):
+            r2 = httpx.post(s.url + "/v1/completions", json={"model": "default", "prompt": "Hi",
+                                                             "stream": stream})
+            assert r2.status_code == 503 and "dead" in r2.json()["error"]["message"]
         s.signal(15)
         assert s.wait(10) == 0, s.log
         assert not wait_exited(s.started, 5) and not tagged_processes(s.tag)

@@ -46,9 +46,11 @@ class EngineCore:
                                    config.model.max_model_len, config.model.eos_token_ids)
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
         self.times = CoreTimes()
+        self.num_received = 0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request, or queue an error reply naming what is wrong with it."""
+        self.num_received += 1
         error = self.validate(request)
         if error is not None:
             self.pending.append(RequestDelta(request.request_id, [], FINISH_ERROR, error=error))
@@ -88,7 +90,9 @@ class EngineCore:
             t2 = time.perf_counter()
             deltas.extend(self.scheduler.update(plan, batch, result))
             self._record_times(t0, t1, t2)
-        return EngineOutputs(deltas, self.scheduler.stats())
+        stats = self.scheduler.stats()
+        stats.num_received = self.num_received
+        return EngineOutputs(deltas, stats)
 
     def _record_times(self, t0: float, t1: float, t2: float) -> None:
         self.times.schedule += t1 - t0

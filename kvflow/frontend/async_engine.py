@@ -90,14 +90,15 @@ class AsyncEngine:
         self.streams: dict[str, RequestStream] = {}
         self.stats = EngineStats()
         self.dead: str | None = engine.dead
-        self.num_sent_since_stats = 0
+        self.num_sent = 0
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for the engine: its last count plus those sent since."""
-        return self.stats.num_waiting + self.num_sent_since_stats
+        """Requests waiting for the engine: its last count, plus those sent that it had not
+        taken in yet when it counted."""
+        return self.stats.num_waiting + self.num_sent - self.stats.num_received
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
@@ -127,7 +128,7 @@ class AsyncEngine:
             self.fail_all(str(e))
             raise
         self.streams[request_id] = stream
-        self.num_sent_since_stats += 1
+        self.num_sent += 1
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -144,16 +145,17 @@ class AsyncEngine:
         while self.dead is None:
             await poller.poll()
             try:
-                outputs = self.engine.drain()
+                for out in self.engine.drain():
+                    self._apply(out)
             except EngineDeadError as e:
                 self.fail_all(str(e))
-                return
-            for out in outputs:
-                self._apply(out)
+            except Exception as e:          # a bug here must not leave every consumer hanging
+                logger.exception("the frontend's output reader failed")
+                self.fail_all(f"the frontend's output reader failed: {e!r}")
+                self.engine.shutdown()
 
     def _apply(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats
-        self.num_sent_since_stats = 0
         if self.metrics is not None:
             self.metrics.record_stats(outputs.stats)
         now = time.perf_counter()

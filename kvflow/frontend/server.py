@@ -41,21 +41,27 @@ class ZmqServer:
             frames = await self.clients.sock.recv_multipart()   # type: ignore[misc]
             if len(frames) < 2:
                 continue
-            identity, msg = frames[0], self.clients.decode(frames[-1])
-            if isinstance(msg, ClientRequest):
-                key = (identity, msg.request_id)
-                task = asyncio.get_running_loop().create_task(self.serve(identity, msg))
-                self.tasks[key] = task
-                task.add_done_callback(functools.partial(self._forget, key))
-            elif isinstance(msg, ClientAbort):
-                running = self.tasks.get((identity, msg.request_id))
-                if running is not None:
-                    running.cancel()                # leaving the stream aborts the request
-            elif isinstance(msg, ClientStatsRequest):
-                await self.reply(identity, ClientStats(msg.request_id, self.engine.stats))
+            try:
+                await self.handle(frames[0], self.clients.decode(frames[-1]))
+            except Exception:                 # one bad message must not stop the ZMQ server
+                logger.exception("could not handle a client message")
 
-    def _forget(self, key: tuple[bytes, str], _: asyncio.Task) -> None:
-        self.tasks.pop(key, None)
+    async def handle(self, identity: bytes, msg: ToServer | None) -> None:
+        if isinstance(msg, ClientRequest):
+            key = (identity, msg.request_id)
+            task = asyncio.get_running_loop().create_task(self.serve(identity, msg))
+            self.tasks[key] = task
+            task.add_done_callback(functools.partial(self._forget, key))
+        elif isinstance(msg, ClientAbort):
+            running = self.tasks.get((identity, msg.request_id))
+            if running is not None:
+                running.cancel()                    # leaving the stream aborts the request
+        elif isinstance(msg, ClientStatsRequest):
+            await self.reply(identity, ClientStats(msg.request_id, self.engine.stats))
+
+    def _forget(self, key: tuple[bytes, str], task: asyncio.Task) -> None:
+        if self.tasks.get(key) is task:             # not a later request reusing the id
+            del self.tasks[key]
 
     async def serve(self, identity: bytes, msg: ClientRequest) -> None:
         try:

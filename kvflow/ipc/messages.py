@@ -55,6 +55,7 @@ class EngineStats(_Hot):
     prefix_cache_queries: int = 0    # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0       # of those, tokens served from it
     num_preemptions: int = 0
+    num_received: int = 0            # EngineRequests taken in so far (the frontend's back-pressure)
 
 
 class EngineOutputs(_Hot, tag=True):

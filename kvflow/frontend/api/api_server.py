@@ -16,7 +16,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Iterator
 
 import msgspec
 import uvicorn
@@ -27,13 +27,15 @@ from starlette.exceptions import HTTPException
 
 import kvflow
 from kvflow.errors import EngineDeadError
-from kvflow.frontend.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
+                                          StreamOptions, parse)
 from kvflow.frontend.api.serving import Job, Serving, error_body
 from kvflow.frontend.async_engine import AsyncEngine
 from kvflow.frontend.engine_client import MultiprocEngine
 from kvflow.frontend.metrics import Metrics
-from kvflow.frontend.processor import InputProcessor
+from kvflow.frontend.processor import InputProcessor, Prompt
 from kvflow.frontend.server import ZmqServer
+from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,46 +87,49 @@ def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
 
 
 async def _generate(request: Request, engine: AsyncEngine, opts: ServeOptions,
-                    serving: Serving, job: Job, items: list, stream: bool,
-                    stream_options: Any, echo: bool) -> Response:
+                    serving: Serving, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
+                    stream: bool, stream_options: StreamOptions | None, echo: bool) -> Response:
+    """Submit at once (so a bad request or an overload is a status code, streaming or not),
+    then answer whole or as server-sent events."""
     if stream_options is not None and not stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    num_new = sum(len(params) for _, params in items)
-    if opts.max_waiting_requests is not None and (
-            engine.num_waiting + num_new > opts.max_waiting_requests):
-        raise ApiError(503, f"{engine.num_waiting} requests are already waiting (the server's "
-                            f"--max-waiting-requests is {opts.max_waiting_requests}); retry "
-                            "later", kind="service_unavailable")
+    _check_capacity(engine, opts, sum(len(params) for _, params in items))
+    serving.open(job, items, echo)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return StreamingResponse(_stream(serving, job, items, echo, include_usage),
+        return StreamingResponse(_stream(serving, job, include_usage),
                                  media_type="text/event-stream")
-
-    async def whole() -> dict[str, Any]:
-        async with serving.submit(job, items, echo):
-            return await serving.respond(job)
-    body = await _unless_disconnected(request, whole())
+    try:
+        body = await _unless_disconnected(request, serving.respond(job))
+    finally:
+        serving.close(job)
     return _json(body) if body is not None else Response(status_code=499)
 
 
-async def _stream(serving: Serving, job: Job, items: list, echo: bool,
-                  include_usage: bool) -> Any:
-    """The SSE body. Starlette cancels it when the client goes away: leaving `submit` then
-    aborts the request."""
+def _check_capacity(engine: AsyncEngine, opts: ServeOptions, num_new: int) -> None:
+    limit = opts.max_waiting_requests
+    if limit is None:
+        return
+    if num_new > limit:
+        raise ApiError(400, f"the request needs {num_new} engine requests (prompts x n) but the "
+                            f"server's --max-waiting-requests is {limit}", "n")
+    if engine.num_waiting + num_new > limit:
+        raise ApiError(503, f"{engine.num_waiting} requests are already waiting (the server's "
+                            f"--max-waiting-requests is {limit}); retry later",
+                       kind="service_unavailable")
+
+
+async def _stream(serving: Serving, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body. Starlette cancels it when the client goes away; `close` then aborts."""
     try:
-        async with serving.submit(job, items, echo):
-            async for event in serving.events(job, include_usage):
-                yield event
-    except (ApiError, EngineDeadError) as e:       # before any chunk: still an SSE answer
-        err = e if isinstance(e, ApiError) else ApiError(503, str(e),
-                                                         kind="service_unavailable")
-        yield b"data: " + msgspec.json.encode(error_body(err)) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        async for event in serving.events(job, include_usage):
+            yield event
+    finally:
+        serving.close(job)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`, cancelling it (so its requests are aborted) if the client disconnects
-    first; None then."""
+    """Run `work`, cancelling it if the client disconnects first (None then)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -137,6 +142,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
         return None
     return task.result()
@@ -171,18 +177,26 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if api_key is None:
-        return
-    expected = f"Bearer {api_key}".encode()
+    if api_key is not None:
+        app.add_middleware(_ApiKey, expected=f"Bearer {api_key}".encode())
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable) -> Response:
-        if request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, expected):
-                return _error(ApiError(401, "invalid or missing API key (Authorization: "
-                                            "Bearer KEY)", kind="authentication_error"))
-        return await call_next(request)     # type: ignore[no-any-return]
+
+class _ApiKey:
+    """401 on /v1/* without `Authorization: Bearer KEY` (plain ASGI: streams pass through)."""
+
+    def __init__(self, app: Any, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = _error(ApiError(401, "invalid or missing API key (Authorization: "
+                                             "Bearer KEY)", kind="authentication_error"))
+                await error(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, opts: ServeOptions) -> None:
@@ -318,7 +332,7 @@ async def _until_stopped(server: _Uvicorn, http_task: asyncio.Task, engine: Asyn
 async def _stop(server: _Uvicorn, http_task: asyncio.Task, engine: AsyncEngine,
                 zmq_server: ZmqServer | None, zmq_task: asyncio.Task | None) -> None:
     server.should_exit = True
-    engine.fail_all("the server is shutting down")
+    engine.fail_all("the server is shutting down")     # ZMQ clients are told before closing
     if zmq_server is not None and zmq_task is not None:
         zmq_task.cancel()
         await zmq_server.close()

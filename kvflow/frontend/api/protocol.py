@@ -7,12 +7,15 @@ accepted and ignored, as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Callable
 
 import msgspec
 
 from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -70,6 +73,7 @@ class TextPart(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -101,14 +105,22 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "allowed_token_ids": lambda v: v is None,
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
-    "skip_special_tokens": lambda v: v in (None, True),
+    "skip_special_tokens": lambda v: v is True,
     "continue_final_message": lambda v: not v,
     "chat_template": lambda v: v is None,
     "chat_template_kwargs": lambda v: not v,
     "documents": lambda v: not v,
     "logits_processors": lambda v: not v,
+    "add_special_tokens": lambda v: v is True,
+    "return_tokens_as_token_ids": lambda v: not v,
+    "length_penalty": lambda v: v == 1,
+    "web_search_options": lambda v: not v,
+    "stream_options": lambda v: not (isinstance(v, dict) and v.get("continuous_usage_stats")),
 }
 _CHAT_ONLY_UNSUPPORTED = {"echo": lambda v: not v}
+# Fields clients send that change nothing here.
+_IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+            "spaces_between_special_tokens", "echo", "stream_options", "priority"}
 
 
 def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -124,6 +136,9 @@ def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
     for name, accepted in unsupported.items():
         if name in raw and not accepted(raw[name]):
             raise ApiError(400, f"{name}={raw[name]!r} is not supported by kvflow", name)
+    unknown = sorted(set(raw) - set(kind.__struct_fields__) - _IGNORED)
+    if unknown:                                  # as vLLM does: accepted, but said
+        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
@@ -146,7 +161,7 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
             return list(prompt)
     if prompt is None:
         raise ApiError(400, "prompt is required", "prompt")
-    if prompt == [] or prompt == [[]]:
+    if prompt == []:
         raise ApiError(400, "prompt is empty", "prompt")
     raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or "
                         "a list of lists of token ids", "prompt")
@@ -161,6 +176,9 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
         if m.role not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role={m.role!r} is not supported (system, "
                                 "developer, user, assistant)", "messages")
+        if m.tool_calls:
+            raise ApiError(400, f"messages[{i}].tool_calls is not supported by kvflow "
+                                "(no tools)", "messages")
         out.append({"role": m.role, "content": _content(m.content, i)})
     return out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -92,27 +91,35 @@ class Serving:
         prompt = self.tokenizer.encode(text)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:      # OpenAI: what the context (and here the KV cache) leaves
-            max_tokens = max(1, self.max_context - len(prompt))
+            if len(prompt) >= self.max_context:
+                raise ApiError(400, f"the messages are {len(prompt)} tokens: no room left to "
+                                    f"answer in a context of {self.max_context}", "messages")
+            max_tokens = self.max_context - len(prompt)
         logprobs = top if req.logprobs else None
         return [(prompt, choice_params(req, max_tokens, logprobs))]
 
-    @asynccontextmanager
-    async def submit(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
-                     echo: bool = False) -> AsyncIterator[Job]:
-        """Every choice submitted (all or none); leaving the block aborts the unfinished."""
+    def open(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
+             echo: bool = False) -> None:
+        """Submit every choice, or none: a bad one aborts those already sent and raises
+        ApiError (EngineDeadError if the engine is gone). `close` must follow."""
         try:
             for prompt_index, (prompt, params) in enumerate(items):
                 for p in params:
                     stream = self.engine.add(prompt, p)
                     text = self._prompt_text(stream) if echo else ""
                     job.choices.append(Choice(len(job.choices), prompt_index, stream, text))
-            yield job
         except ValueError as e:
+            self.close(job)
             raise value_error(e) from None
-        finally:
-            for c in job.choices:
-                if not c.stream.finished:
-                    self.engine.abort(c.stream.request_id)
+        except BaseException:
+            self.close(job)
+            raise
+
+    def close(self, job: Job) -> None:
+        """Abort what has not finished (a client that went away, an error)."""
+        for c in job.choices:
+            if not c.stream.finished:
+                self.engine.abort(c.stream.request_id)
 
     def _prompt_text(self, stream: RequestStream) -> str:
         out = stream.output
@@ -133,7 +140,7 @@ class Serving:
             logprobs = (self.completion_logprobs(c, out.token_ids, out.logprobs)
                         if out.logprobs is not None else None)
             return {"index": c.index, "text": c.echo + out.text, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason, "stop_reason": None}
+                    "finish_reason": out.finish_reason}
         return {"index": c.index, "message": {"role": "assistant", "content": out.text},
                 "logprobs": self.chat_logprobs(job, out.token_ids, out.logprobs),
                 "finish_reason": out.finish_reason}
@@ -169,7 +176,7 @@ class Serving:
             text = delta.text if c.started else c.echo + delta.text
             choice.update(text=text, logprobs=(self.completion_logprobs(
                 c, delta.token_ids, delta.logprobs) if delta.logprobs is not None else None))
-            choice.update(finish_reason=delta.finish_reason, stop_reason=None)
+            choice.update(finish_reason=delta.finish_reason)
         else:
             message = {"content": delta.text} if c.started else {"role": "assistant",
                                                                   "content": delta.text}
@@ -230,6 +237,14 @@ def _check_error(stream: RequestStream) -> None:
 
 async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
     """Every choice's deltas as they come, until all finished."""
+    if len(choices) == 1:                       # the common case: no task per delta
+        c, delta = choices[0], Delta("", [], None, None)
+        while delta.finish_reason is None:
+            delta = await c.stream.next()
+            if delta.finish_reason is not None:
+                _check_error(c.stream)
+            yield c, delta
+        return
     pending = {asyncio.ensure_future(c.stream.next()): c for c in choices}
     try:
         while pending:
