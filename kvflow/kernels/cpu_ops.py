@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from kvflow.config import cache_dir
+
 logger = logging.getLogger("kvflow.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -83,7 +85,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.blake2b(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                       _cpu_id().encode()]), digest_size=8).hexdigest()
-    cache = Path(os.environ.get("KVFLOW_CACHE") or Path.home() / ".cache" / "kvflow")
+    cache = Path(cache_dir())
     target = cache / "kernels" / f"cpu_ops-{key}.so"
     if target.exists():
         return target
