@@ -21,10 +21,12 @@ logger = logging.getLogger("kvflow")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineOptions field (the dest is the field's name)."""
     parser.add_argument("--model", default="default",
                         help="a local HF folder (config.json, *.safetensors, tokenizer.json) or "
                              "'default' (SmolLM2-135M-Instruct, built on first use)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                        default=1, help="tensor-parallel size")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache dtype (auto: the checkpoint's)")
@@ -35,11 +37,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="turn automatic prefix caching off")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn automatic prefix caching off")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size in GiB (default: on CPU 10%% of available RAM, "
                              "<= 2; on CUDA what --gpu-memory-utilization leaves)")
+    parser.add_argument("--load-format", default="safetensors",
+                        choices=["safetensors", "dummy"],
+                        help="dummy: random weights of the right shapes (benchmarks)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per worker (default: the CPUs / tensor-parallel "
+                             "size)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where workers run (auto: cuda:RANK when CUDA is available)")
     parser.add_argument("--attention-backend", default="auto",
@@ -59,15 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tensor_parallel_size=args.tp, dtype=args.dtype,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                enable_prefix_caching=not args.no_prefix_caching,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
-                device=args.device, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvflow.config import EngineOptions
+    return EngineOptions(**{name: getattr(args, name)
+                            for name in EngineOptions.__struct_fields__})
 
 
 def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -78,10 +81,11 @@ def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvflow.frontend.processor import InputProcessor
     from kvflow.frontend.tokenizer import Tokenizer
     path = resolve_model(args.model)
-    config = make_engine_config(path, **engine_kwargs(args))
+    config = make_engine_config(path, engine_options(args))
     tokenizer = Tokenizer(path)
     engine = MultiprocEngine(config)
-    logger.info("EngineCore and %d worker(s) ready: %d KV blocks of %d tokens", args.tp,
+    logger.info("EngineCore and %d worker(s) ready: %d KV blocks of %d tokens",
+                args.tensor_parallel_size,
                 engine.num_blocks, config.cache.block_size)
     return engine, InputProcessor(config, tokenizer, engine.num_blocks)
 

@@ -114,65 +114,75 @@ def auto_kv_cache_gb() -> float:
     return max(0.25, min(2.0, 0.1 * available_gb))
 
 
-def make_engine_config(
-    model_path: str,
-    *,
-    tensor_parallel_size: int = 1,
-    dtype: str = "auto",
-    seed: int = 0,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    kv_cache_memory_gb: float | None = None,
-    load_format: str = "safetensors",
-    attention_backend: str = "auto",
-    num_threads: int | None = None,
-    device: str = "auto",
-    enforce_eager: bool = False,
-    gpu_memory_utilization: float = 0.9,
-) -> EngineConfig:
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a user may set about an engine, in one place: `LLM(model, **options)`,
+    `launch.py`'s flags (one per field, same name) and `make_engine_config` all take these.
+    `None` and "auto" are decided by make_engine_config (or, for what needs the device, by the
+    worker)."""
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"                   # auto: the checkpoint's
+    seed: int = 0                         # of unseeded sampling
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float | None = None
+    load_format: str = "safetensors"      # or "dummy": random weights (benchmarks)
+    attention_backend: str = "auto"
+    num_threads: int | None = None        # None: the CPUs / tensor_parallel_size
+    device: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+
+
+def make_engine_config(model_path: str, options: EngineOptions | None = None,
+                       **overrides: object) -> EngineConfig:
     """Validate every user value and decide every "auto"; raises ValueError naming the field."""
+    try:
+        o = msgspec.structs.replace(options or EngineOptions(), **overrides)
+    except TypeError as e:                         # an option that does not exist: say which
+        raise TypeError(f"{e}; the engine options are "
+                        f"{', '.join(EngineOptions.__struct_fields__)}") from None
     hf = read_hf_config(model_path)
-    if load_format not in ("safetensors", "dummy"):
-        raise ValueError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
-    _check_weights(model_path, load_format)
+    if o.load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format={o.load_format!r} must be 'safetensors' or 'dummy'")
+    _check_weights(model_path, o.load_format)
     arch = (hf.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model={model_path!r}: architecture {arch!r} is not one of "
                          f"{SUPPORTED_ARCHITECTURES}")
     hf_max_len = int(hf.get("max_position_embeddings", 2048))
-    max_model_len = max_model_len or hf_max_len
-    _check_positive(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    block_size=block_size)
+    max_model_len = o.max_model_len or hf_max_len
+    _check_positive(tensor_parallel_size=o.tensor_parallel_size, max_model_len=max_model_len,
+                    max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
+                    block_size=o.block_size)
     if max_model_len > hf_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={hf_max_len}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two")
-    if kv_cache_memory_gb is not None and kv_cache_memory_gb <= 0:
-        raise ValueError(f"kv_cache_memory_gb={kv_cache_memory_gb} must be > 0")
-    _check_execution(attention_backend, device, block_size, gpu_memory_utilization)
-    _check_tp(hf, tensor_parallel_size)
+    if o.block_size & (o.block_size - 1):
+        raise ValueError(f"block_size={o.block_size} must be a power of two")
+    if o.kv_cache_memory_gb is not None and o.kv_cache_memory_gb <= 0:
+        raise ValueError(f"kv_cache_memory_gb={o.kv_cache_memory_gb} must be > 0")
+    _check_execution(o.attention_backend, o.device, o.block_size, o.gpu_memory_utilization)
+    _check_tp(hf, o.tensor_parallel_size)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
-        dtype=_resolve_dtype(dtype, hf), load_format=load_format,
+        dtype=_resolve_dtype(o.dtype, hf), load_format=o.load_format,
         vocab_size=int(hf["vocab_size"]), max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(model_path, hf), hf_config=hf)
     cache = CacheConfig(
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory_gb=kv_cache_memory_gb,
-        gpu_memory_utilization=float(gpu_memory_utilization))
-    threads = num_threads or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        block_size=o.block_size, enable_prefix_caching=o.enable_prefix_caching,
+        kv_cache_memory_gb=o.kv_cache_memory_gb,
+        gpu_memory_utilization=float(o.gpu_memory_utilization))
+    threads = o.num_threads or max(1, (os.cpu_count() or 1) // o.tensor_parallel_size)
     return EngineConfig(
         model=model, cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-        seed=seed, attention_backend=attention_backend, num_threads=threads, device=device,
-        enforce_eager=bool(enforce_eager))
+        scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs,
+                                  max_num_batched_tokens=o.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=o.tensor_parallel_size),
+        seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
+        enforce_eager=bool(o.enforce_eager))
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

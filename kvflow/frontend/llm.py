@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from kvflow.config import make_engine_config
+from kvflow.config import EngineOptions, make_engine_config
 from kvflow.frontend.engine_client import InProcessEngine, MultiprocEngine
 from kvflow.frontend.model_files import resolve_model
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
@@ -23,6 +23,12 @@ class LLM:
     By default EngineCore and its workers run as child processes (the same cluster as
     `launch.py serve`); `in_process=True` runs them in this process, for debugging and tests.
 
+    Engine options (kvflow.config.EngineOptions, given as keywords or as `options`):
+    tensor_parallel_size=1, dtype="auto", seed=0, max_model_len=None, max_num_seqs=256,
+    max_num_batched_tokens=2048, block_size=16, enable_prefix_caching=True,
+    kv_cache_memory_gb=None, load_format="safetensors", attention_backend="auto",
+    num_threads=None, device="auto", enforce_eager=False, gpu_memory_utilization=0.9.
+
     Execution: `device` auto|cpu|cuda (auto: cuda:rank when CUDA is available);
     `attention_backend` auto|cpu|torch|triton|flash_attn (auto: flash_attn on CUDA when installed
     and block_size % 256 == 0, else triton on CUDA; on CPU the C kernels of `cpu` when they
@@ -31,23 +37,10 @@ class LLM:
     what `gpu_memory_utilization` of the card leaves after the weights and a profiling step.
     """
 
-    def __init__(self, model: str = "default", *, tensor_parallel_size: int = 1,
-                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, enable_prefix_caching: bool = True,
-                 kv_cache_memory_gb: float | None = None, load_format: str = "safetensors",
-                 attention_backend: str = "auto", num_threads: int | None = None,
-                 device: str = "auto", enforce_eager: bool = False,
-                 gpu_memory_utilization: float = 0.9, in_process: bool = False) -> None:
+    def __init__(self, model: str = "default", options: EngineOptions | None = None, *,
+                 in_process: bool = False, **overrides: Any) -> None:
         path = resolve_model(model)
-        self.config = make_engine_config(
-            path, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
-            load_format=load_format, attention_backend=attention_backend,
-            num_threads=num_threads, device=device, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization)
+        self.config = make_engine_config(path, options, **overrides)
         self.tokenizer = Tokenizer(path)
         self.engine: InProcessEngine | MultiprocEngine | None = (
             InProcessEngine(self.config) if in_process else MultiprocEngine(self.config))
