@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.core.block_manager import RESERVED, BlockManager
+from kvflow.core.block_manager import BlockManager
+from kvflow.core.block_placer import RESERVED
 from kvflow.core.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ def assert_all_free(bm: BlockManager) -> None:
     assert bm.total_refs == 0
     assert bm.ref_counts == [0] * bm.num_blocks
     assert bm.num_free_blocks == bm.num_blocks
-    assert bm.reservations == {} and bm.empty.count(RESERVED) == 0
+    assert bm.placer.reservations == {} and bm.placer.empty.count(RESERVED) == 0
     bm.check()
 
 
@@ -135,7 +136,7 @@ def test_shared_blocks_are_reference_counted() -> None:
     assert [bm.ref_counts[x] for x in b.block_ids] == [1, 1, 1]
     assert bm.total_refs == 3
     assert bm.num_free_blocks == 8 - 3
-    assert all(x not in bm.free_blocks for x in b.block_ids)
+    assert all(x not in bm.evictable_blocks for x in b.block_ids)
     bm.free(b)
     assert_all_free(bm)
 
@@ -153,7 +154,7 @@ def test_eviction_is_lru_and_a_sequences_tail_goes_before_its_head() -> None:
     bm.free(b)
     a_blocks = first_blocks(bm, a_tokens)
     b_blocks = first_blocks(bm, b_tokens)
-    assert list(bm.free_blocks) == a_blocks[::-1] + b_blocks[::-1]
+    assert list(bm.evictable_blocks) == a_blocks[::-1] + b_blocks[::-1]
 
     # Take one block at a time and watch which prefix survives: a's tail goes first.
     c = make_request(list(range(500, 524)), "c")
@@ -175,7 +176,7 @@ def test_a_reused_prefix_becomes_most_recently_used() -> None:
     bm.free(a)
     bm.free(b)
     a_blocks, b_blocks = first_blocks(bm, a_tokens), first_blocks(bm, b_tokens)
-    assert list(bm.free_blocks) == a_blocks[::-1] + b_blocks[::-1]
+    assert list(bm.evictable_blocks) == a_blocks[::-1] + b_blocks[::-1]
     # d reuses a's first two blocks (its third block evicts a's tail), then is freed:
     # a's head is now the most recently freed, b the least. d's third block held only a
     # partial block, so it comes back empty, not cached.
@@ -183,8 +184,8 @@ def test_a_reused_prefix_becomes_most_recently_used() -> None:
     admit_and_compute(bm, d)
     assert d.block_ids == a_blocks
     bm.free(d)
-    assert list(bm.free_blocks) == b_blocks[::-1] + a_blocks[:2][::-1]
-    assert bm.empty[a_blocks[2]] and bm.num_empty == 1
+    assert list(bm.evictable_blocks) == b_blocks[::-1] + a_blocks[:2][::-1]
+    assert bm.placer.empty[a_blocks[2]] and bm.placer.num_empty == 1
     # 3 new blocks: the empty one, then two evictions, both from b although b was freed
     # after a: b's head survives, a's two blocks too.
     e = make_request(list(range(700, 712)), "e")
@@ -203,7 +204,7 @@ def test_empty_blocks_are_used_before_any_cached_block_is_evicted() -> None:
     a = make_request(list(range(9)), "a")              # 2 full blocks + 1 partial
     admit_and_compute(bm, a)
     bm.free(a)
-    assert bm.num_free_blocks == 6 and len(bm.free_blocks) == 2 and bm.num_empty == 4
+    assert bm.num_free_blocks == 6 and len(bm.evictable_blocks) == 2 and bm.placer.num_empty == 4
     b = make_request(list(range(100, 116)), "b")       # 4 blocks: exactly the empty ones
     assert bm.allocate(b, 16)
     assert not set(b.block_ids) & set(a.block_ids[:2]) and num_hits(bm, list(range(9))) == 2
@@ -240,7 +241,7 @@ def test_interleaved_growing_requests_keep_their_blocks_consecutive() -> None:
     bm.check()
     for r in requests:
         bm.free(r)
-    assert bm.reservations == {} and bm.empty.count(RESERVED) == 0
+    assert bm.placer.reservations == {} and bm.placer.empty.count(RESERVED) == 0
     assert_all_free(bm)
 
 
@@ -249,7 +250,7 @@ def test_reservations_never_make_an_allocation_fail() -> None:
     bm = make_bm(8)
     a = Request("a", [1, 2, 3], SamplingParams(max_tokens=29))
     admit_and_compute(bm, a)
-    assert len(a.block_ids) == 1 and bm.empty.count(RESERVED) == 7
+    assert len(a.block_ids) == 1 and bm.placer.empty.count(RESERVED) == 7
     b = make_request(list(range(100, 128)), "b")       # 7 blocks
     assert bm.allocate(b, 28)
     assert bm.num_free_blocks == 0 and not set(a.block_ids) & set(b.block_ids)
@@ -291,7 +292,7 @@ def test_allocate_counts_exact_blocks_for_a_growing_request() -> None:
 
 
 def snapshot(bm: BlockManager) -> tuple:
-    return (list(bm.ref_counts), list(bm.free_blocks), bm.total_refs, dict(bm.hash_to_block),
+    return (list(bm.ref_counts), list(bm.evictable_blocks), bm.total_refs, dict(bm.hash_to_block),
             list(bm.block_hashes))
 
 
