@@ -19,6 +19,7 @@ from throughput import add_workload_args, make_workload  # noqa: E402
 def run(args: argparse.Namespace, in_process: bool, prompts: list[list[int]],
         outputs: list[int]) -> tuple[float, dict[str, float]]:
     from kvflow import LLM, SamplingParams
+    from kvflow.ipc.messages import GetTimings
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
               max_num_seqs=args.num_requests, load_format=args.load_format,
               in_process=in_process)
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace, in_process: bool, prompts: list[list[int]],
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert [len(o.token_ids) for o in outs] == outputs
-    timings = {} if in_process else llm.engine.utility("timings")  # type: ignore[union-attr]
+    timings = {} if in_process else llm.engine.utility(GetTimings(0))  # type: ignore[union-attr]
     llm.shutdown()
     return sum(outputs) / elapsed, timings
 

@@ -40,7 +40,7 @@ from cluster_helpers import (ENGINE_MODULE, REPO, TAG_VAR, WORKER_MODULE, ServeP
 from kvflow import LLM, AsyncClient, Client, EngineDeadError, SamplingParams
 from kvflow.ipc.messages import (Abort, ClientAbort, ClientOutput, ClientRequest,
                                  ClientStatsRequest, EngineRequest, Ping, Pong, StepResult,
-                                 UtilityCall, WorkerReady)
+                                 GetTimings, WorkerReady)
 
 DEATH_BOUND = 5.0        # a death is noticed, and its consequences done, within this
 STOP_BOUND = 10.0        # a clean stop (SIGTERM / SIGINT) takes at most this
@@ -553,7 +553,7 @@ def test_garbage_to_engine_input_socket(healthy) -> None:
         EngineRequest("bogus-2", [2**63 - 1], SamplingParams()),
         EngineRequest("bogus-3", [1, 2], SamplingParams(max_tokens=10**9)),
         Abort(["no-such-request"]),
-        UtilityCall(1, "no_such_method"),
+        GetTimings(-1),
     ]
     messages = [*GARBAGE, [encode(StepResult([], []))], *[[encode(m)] for m in bogus]]
     push_garbage(address, messages)

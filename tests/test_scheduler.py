@@ -87,19 +87,19 @@ class FakeExecutor:
         return StepResult(sampled_ids, sampled)
 
     def _apply_diff(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_ids:             # forgotten before the step runs
+        for request_id in plan.forget_ids:             # forgotten before the step runs
             del self.requests[request_id]
         for new in plan.new_requests:
             assert new.request_id not in self.requests, new.request_id
             self.requests[new.request_id] = WorkerRequest(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
                 len(new.token_ids) - new.num_output_tokens)
-        for cached in plan.cached_requests:
+        for cached in plan.continuing_requests:
             state = self.requests[cached.request_id]
             state.token_ids += cached.new_token_ids
             state.block_ids += cached.new_block_ids
         sent = ([r.request_id for r in plan.new_requests]
-                + [r.request_id for r in plan.cached_requests])
+                + [r.request_id for r in plan.continuing_requests])
         assert sorted(sent) == sorted(plan.scheduled_ids), (sent, plan.scheduled_ids)
 
     def _slot(self, state: WorkerRequest, position: int) -> tuple[int, int]:
@@ -204,10 +204,10 @@ def test_chunked_prefill_splits_a_long_prompt_exactly() -> None:
     # The diffs: full state once, then only what is new (4 blocks per 16-token chunk).
     assert [len(p.new_requests) for p in ex.plans[:6]] == [1, 0, 0, 0, 0, 0]
     assert len(ex.plans[0].new_requests[0].block_ids) == 4
-    assert [len(p.cached_requests[0].new_block_ids) for p in ex.plans[1:6]] == [4, 4, 1, 0, 0]
-    assert [p.cached_requests[0].new_token_ids for p in ex.plans[1:6]] == [[], [], [], [150],
+    assert [len(p.continuing_requests[0].new_block_ids) for p in ex.plans[1:6]] == [4, 4, 1, 0, 0]
+    assert [p.continuing_requests[0].new_token_ids for p in ex.plans[1:6]] == [[], [], [], [150],
                                                                            [151]]
-    assert ex.plans[-1].finished_ids == ["long"]
+    assert ex.plans[-1].forget_ids == ["long"]
     assert_all_released(core, ex)
 
 
@@ -225,7 +225,7 @@ def test_running_first_then_waiting_fcfs_within_the_budget() -> None:
     ]
     assert {k: v.token_ids for k, v in out.items()} == {
         "A": [106, 107, 108], "B": [106, 107, 108], "C": [106, 107, 108]}
-    assert [p.finished_ids for p in ex.plans] == [[], [], [], ["A"], ["B", "C"]]
+    assert [p.forget_ids for p in ex.plans] == [[], [], [], ["A"], ["B", "C"]]
     assert_all_released(core, ex)
 
 
@@ -273,7 +273,7 @@ def test_preemption_of_the_latest_admitted_and_resume_with_same_tokens() -> None
     for _ in range(6):                     # at step 6 both need a 4th block; none is free
         record(core.step(), out)
     assert schedule_of(ex)[5] == [("A", 1)]
-    assert ex.plans[5].finished_ids == ["B"]            # the workers forget B at once
+    assert ex.plans[5].forget_ids == ["B"]            # the workers forget B at once
     assert [r.request_id for r in core.scheduler.waiting] == ["B", "C"]   # front of queue
     assert core.scheduler.stats().num_preemptions == 1
     assert len(out["B"].token_ids) == 5 and out["B"].finish_reason is None
@@ -285,7 +285,7 @@ def test_preemption_of_the_latest_admitted_and_resume_with_same_tokens() -> None
     assert resumed.request_id == "B"
     assert (len(resumed.token_ids), resumed.num_output_tokens,
             resumed.num_computed_tokens) == (13, 5, 8)
-    assert ex.plans[8].finished_ids == ["A"]
+    assert ex.plans[8].forget_ids == ["A"]
     assert_all_released(core, ex)
     # B's recomputed blocks went back into the prefix cache: all 3 full blocks of its
     # first 13 tokens are hits again (the 4th block would hold the last token).
@@ -420,7 +420,7 @@ def test_abort_frees_blocks_at_once_and_tells_the_workers() -> None:
     aborted = [(d.request_id, d.new_token_ids, d.finish_reason)
                for d in outputs.outputs if d.finish_reason == "abort"]
     assert aborted == [("A", [], "abort"), ("W", [], "abort")]
-    assert ex.plans[-1].finished_ids == ["A"]           # W never reached the workers
+    assert ex.plans[-1].forget_ids == ["A"]           # W never reached the workers
     assert schedule_of(ex)[-1] == [("B", 1)]
     record(outputs, out)
     run_all(core, out)
@@ -481,6 +481,6 @@ def test_a_finished_request_id_can_be_reused() -> None:
     assert (out["A"].token_ids, out["B"].token_ids) == ([106], [101])
     # One plan both forgets the old B and brings the new one: workers forget first.
     reuse = ex.plans[-2]
-    assert (reuse.finished_ids, [r.request_id for r in reuse.new_requests]) == (["B"], ["B"])
+    assert (reuse.forget_ids, [r.request_id for r in reuse.new_requests]) == (["B"], ["B"])
     assert reuse.new_requests[0].token_ids == [1]
     assert_all_released(core, ex)

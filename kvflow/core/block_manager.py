@@ -50,11 +50,11 @@ class BlockManager:
 
     def hash_full_blocks(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its tokens."""
-        bs = self.block_size
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
+        block_size = self.block_size
+        for i in range(len(hashes), request.num_tokens // block_size):
             parent = hashes[-1] if hashes else b""
-            tokens = array("q", request.token_ids[i * bs:(i + 1) * bs]).tobytes()
+            tokens = array("q", request.token_ids[i * block_size:(i + 1) * block_size]).tobytes()
             hashes.append(hashlib.blake2b(parent + tokens, key=self.salt,
                                           digest_size=16).digest())
 

@@ -14,8 +14,8 @@ from kvflow.core.block_manager import BlockManager
 from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.validation import check_request
-from kvflow.ipc.messages import (FINISH_ERROR, EngineOutputs, EngineRequest, RequestDelta,
-                                 StepPlan, StepResult)
+from kvflow.ipc.messages import (EngineOutputs, EngineRequest, FinishReason, RequestDelta,
+                                 ResetPrefixCache, StepPlan, StepResult, UtilityCall, UtilityResult)
 
 
 class Executor(Protocol):
@@ -53,7 +53,8 @@ class EngineCore:
         self.num_received += 1
         error = self.validate(request)
         if error is not None:
-            self.pending.append(RequestDelta(request.request_id, [], FINISH_ERROR, error=error))
+            self.pending.append(RequestDelta(request.request_id, [], FinishReason.ERROR,
+                                             error=error))
             return
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
                                            request.sampling_params, request.arrival_time))
@@ -74,6 +75,17 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         self.pending.extend(self.scheduler.abort(request_ids))
 
+    def utility(self, call: UtilityCall, executor_timings: dict[str, float] | None = None
+                ) -> UtilityResult:
+        """The one place utility calls are answered, in both engine modes."""
+        if isinstance(call, ResetPrefixCache):
+            self.block_manager.reset_prefix_cache()
+            return UtilityResult(call.call_id, {})
+        t = self.times
+        return UtilityResult(call.call_id, {
+            "num_steps": t.num_steps, "schedule": t.schedule, "execute": t.execute,
+            "update": t.update, **(executor_timings or {})})
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)
 
@@ -83,7 +95,7 @@ class EngineCore:
         plan, batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         deltas, self.pending = self.pending, []
-        if batch or plan.finished_ids:
+        if batch or plan.forget_ids:
             result = self.executor.execute(plan)
             t2 = time.perf_counter()
             deltas.extend(self.scheduler.update(plan, batch, result))

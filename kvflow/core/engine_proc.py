@@ -19,7 +19,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.core.executor import MultiprocExecutor
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineReady, EngineRequest, FromEngine,
-                                 Shutdown, ToEngine, UtilityCall, UtilityResult)
+                                 GetTimings, ResetPrefixCache, Shutdown, ToEngine)
 from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
@@ -71,8 +71,10 @@ class EngineCoreProc:
             self.core.add_request(msg)
         elif isinstance(msg, Abort):
             self.core.abort(msg.request_ids)
-        elif isinstance(msg, UtilityCall):
-            self.output.send(self.utility(msg))
+        elif isinstance(msg, (ResetPrefixCache, GetTimings)):
+            ex = self.executor
+            self.output.send(self.core.utility(msg, {"ipc": ex.ipc_seconds,
+                                                     "ipc_steps": ex.num_steps}))
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -80,17 +82,6 @@ class EngineCoreProc:
         outputs = self.core.step()
         if outputs.outputs:
             self.output.send(outputs)
-
-    def utility(self, call: UtilityCall) -> UtilityResult:
-        if call.method == "reset_prefix_cache":
-            self.core.block_manager.reset_prefix_cache()
-            return UtilityResult(call.call_id, {})
-        if call.method == "timings":
-            ex, t = self.executor, self.core.times
-            return UtilityResult(call.call_id, {
-                "num_steps": t.num_steps, "schedule": t.schedule, "execute": t.execute,
-                "update": t.update, "ipc": ex.ipc_seconds, "ipc_steps": ex.num_steps})
-        return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
 
     def close(self) -> None:
         self.executor.shutdown()

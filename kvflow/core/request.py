@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 
+from kvflow.ipc.messages import FinishReason
 from kvflow.sampling_params import SamplingParams
 
 
@@ -33,7 +34,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0    # leading blocks whose hash is in the prefix cache
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         # What the worker already knows of this request (plans are diffs against it).
         self.on_worker = False
         self.num_tokens_sent = 0

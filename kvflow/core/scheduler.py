@@ -16,8 +16,8 @@ from collections import deque
 
 from kvflow.core.block_manager import BlockManager
 from kvflow.core.request import Request, Status
-from kvflow.ipc.messages import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CachedRequestData,
-                                 EngineStats, NewRequestData, RequestDelta, StepPlan, StepResult)
+from kvflow.ipc.messages import (ContinuingRequestData, EngineStats, FinishReason,
+                                 NewRequestData, RequestDelta, StepPlan, StepResult)
 
 
 class Scheduler:
@@ -113,7 +113,7 @@ class Scheduler:
                     request.num_output_tokens))
                 request.on_worker = True
             else:
-                cached.append(CachedRequestData(
+                cached.append(ContinuingRequestData(
                     request.request_id, request.token_ids[request.num_tokens_sent:],
                     request.block_ids[request.num_blocks_sent:]))
             request.num_tokens_sent = request.num_tokens
@@ -156,10 +156,10 @@ class Scheduler:
         stop_ids_apply = request.num_output_tokens >= params.min_tokens
         if stop_ids_apply and ((not params.ignore_eos and token_id in self.eos_token_ids)
                                or (params.stop_token_ids and token_id in params.stop_token_ids)):
-            request.finish_reason = FINISH_STOP
+            request.finish_reason = FinishReason.STOP
         elif (request.num_output_tokens >= params.max_tokens
               or request.num_tokens >= self.max_model_len):
-            request.finish_reason = FINISH_LENGTH
+            request.finish_reason = FinishReason.LENGTH
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
@@ -182,18 +182,18 @@ class Scheduler:
             else:                       # a waiting request is never on the workers
                 self.waiting.remove(request)
             request.status = Status.FINISHED
-            request.finish_reason = FINISH_ABORT
+            request.finish_reason = FinishReason.ABORT
             del self.requests[request_id]
-            deltas.append(RequestDelta(request_id, [], FINISH_ABORT))
+            deltas.append(RequestDelta(request_id, [], FinishReason.ABORT))
         return deltas
 
     # --- invariant and stats ---------------------------------------------------------------
 
     def check(self) -> None:
         assert len(self.running) <= self.max_num_seqs, (len(self.running), self.max_num_seqs)
-        bs = self.block_manager.block_size
+        block_size = self.block_manager.block_size
         for r in self.running:
-            assert len(r.block_ids) * bs >= r.num_computed_tokens, r
+            assert len(r.block_ids) * block_size >= r.num_computed_tokens, r
         assert all(not r.block_ids for r in self.waiting), "a waiting request holds blocks"
         held = sum(len(r.block_ids) for r in self.running)
         assert held == self.block_manager.total_refs, (held, self.block_manager.total_refs)

@@ -26,7 +26,7 @@ from kvflow.frontend.engine_client import MultiprocEngine
 from kvflow.frontend.metrics import Metrics
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.processor import InputProcessor, Prompt
-from kvflow.ipc.messages import FINISH_ABORT, FINISH_ERROR, EngineOutputs, EngineRequest, EngineStats
+from kvflow.ipc.messages import EngineOutputs, EngineRequest, EngineStats, FinishReason
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class AsyncEngine:
     def _record_finished(self, stream: RequestStream, now: float) -> None:
         if self.metrics is not None:
             out = stream.output
-            self.metrics.record_finished(out.finish_reason or FINISH_ABORT,
+            self.metrics.record_finished(out.finish_reason or FinishReason.ABORT,
                                          len(out.prompt_token_ids), len(out.token_ids),
                                          now - stream.arrival)
 
@@ -200,7 +200,7 @@ class AsyncEngine:
         now = time.perf_counter()
         for stream in self.streams.values():
             stream.dead = reason
-            stream.output.finish_reason = stream.output.finish_reason or FINISH_ERROR
+            stream.output.finish_reason = stream.output.finish_reason or FinishReason.ERROR
             self._record_finished(stream, now)
             stream.changed.set()
         self.streams.clear()

@@ -8,20 +8,19 @@
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
 import tempfile
 import time
 import weakref
-from typing import Any
 
 import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.errors import EngineDeadError
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineOutputs, EngineReady, EngineRequest,
-                                 FromEngine, Shutdown, ToEngine, UtilityCall, UtilityResult)
+                                 FromEngine, Shutdown, ToEngine, UtilityCall,
+                                 UtilityResult)
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, ipc_address, make_socket
 
@@ -51,11 +50,8 @@ class InProcessEngine:
         """Run one step (in-process there is nothing to wait for)."""
         return self.core.step()
 
-    def utility(self, method: str) -> dict[str, float]:
-        if method == "reset_prefix_cache":
-            self.core.block_manager.reset_prefix_cache()
-            return {}
-        raise ValueError(f"unknown utility method {method!r}")
+    def utility(self, call: UtilityCall) -> dict[str, float]:
+        return self.core.utility(call).result
 
     def shutdown(self) -> None:
         pass
@@ -76,7 +72,6 @@ class MultiprocEngine:
             "--startup-timeout", str(startup_timeout),
             "--log-level", str(logging.getLogger().level)])
         self.dead: str | None = None
-        self._calls = itertools.count()
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
                                            [self.input.sock, self.output.sock], self.run_dir)
         ready = self._wait_ready(time.monotonic() + startup_timeout)
@@ -150,19 +145,16 @@ class MultiprocEngine:
                 found.append(msg)
         return found
 
-    def utility(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Call a utility method in EngineCore; outputs that arrive meanwhile are dropped, so
-        call it only when no request is running."""
-        call_id = next(self._calls)
-        self._send(UtilityCall(call_id, method))
+    def utility(self, call: UtilityCall, timeout: float = 30.0) -> dict[str, float]:
+        """Answer of a utility call (e.g. GetTimings(0)); outputs that arrive meanwhile are
+        dropped, so call it only when no request is running."""
+        self._send(call)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = self._recv(max(0.0, deadline - time.monotonic()))
-            if isinstance(msg, UtilityResult) and msg.call_id == call_id:
-                if msg.error:
-                    raise ValueError(msg.error)
+            if isinstance(msg, UtilityResult) and msg.call_id == call.call_id:
                 return msg.result
-        raise TimeoutError(f"utility call {method!r} got no answer")
+        raise TimeoutError(f"{type(call).__name__} got no answer")
 
     @property
     def sentinel(self) -> int:

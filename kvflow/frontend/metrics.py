@@ -10,9 +10,8 @@ from __future__ import annotations
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 
-from kvflow.ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineStats
+from kvflow.ipc.messages import EngineStats, FinishReason
 
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                     1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -40,8 +39,8 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         success = Counter("kvflow:request_success", "Finished requests, by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
-        self.finished = {r: success.labels(model_name=model_name, finished_reason=r)
-                         for r in FINISH_REASONS}
+        self.finished = {r: success.labels(model_name=model_name, finished_reason=r.value)
+                         for r in FinishReason}
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits",
@@ -91,7 +90,8 @@ class Metrics:
 
     def record_finished(self, reason: str, num_prompt_tokens: int, num_output_tokens: int,
                         e2e: float) -> None:
-        self.finished[reason if reason in self.finished else FINISH_ERROR].inc()
+        known = reason in FinishReason._value2member_map_
+        self.finished[FinishReason(reason) if known else FinishReason.ERROR].inc()
         self.e2e.observe(e2e)
         self.request_prompt.observe(num_prompt_tokens)
         self.request_generation.observe(num_output_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.frontend.tokenizer import Tokenizer
-from kvflow.ipc.messages import FINISH_STOP, RequestDelta
+from kvflow.ipc.messages import FinishReason, RequestDelta
 from kvflow.sampling_params import SamplingParams
 
 
@@ -54,7 +54,7 @@ class RequestTracker:
                     out.logprobs = []
                 out.logprobs.append(delta.logprobs[i])
             if self._add_text(token_id):
-                out.finish_reason = FINISH_STOP
+                out.finish_reason = FinishReason.STOP
                 return True
         if delta.finish_reason is not None:
             out.finish_reason = delta.finish_reason

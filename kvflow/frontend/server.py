@@ -19,9 +19,9 @@ import zmq.asyncio
 from kvflow.errors import EngineDeadError
 from kvflow.frontend.async_engine import AsyncEngine, RequestStream
 from kvflow.frontend.processor import Prompt
-from kvflow.ipc.messages import (ERROR_ENGINE_DEAD, ERROR_INVALID, FINISH_ERROR, ClientAbort,
-                                 ClientOutput, ClientRequest, ClientStats, ClientStatsRequest,
-                                 ToServer)
+from kvflow.ipc.messages import (ClientAbort, ClientOutput, ClientRequest, ClientStats,
+                                 ClientStatsRequest, FinishReason, ToServer, ERROR_ENGINE_DEAD,
+                                 ERROR_INVALID)
 from kvflow.ipc.sockets import Channel, make_socket
 from kvflow.sampling_params import SamplingParams
 
@@ -87,7 +87,7 @@ class ZmqServer:
                 text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
             else:
                 text, token_ids, logprobs = out.text, out.token_ids, out.logprobs
-            kind = ERROR_INVALID if out.finish_reason == FINISH_ERROR else None
+            kind = ERROR_INVALID if out.finish_reason == FinishReason.ERROR else None
             await self.reply(identity, ClientOutput(
                 msg.request_id, text, token_ids, delta.finish_reason, out.num_cached_tokens,
                 logprobs, out.prompt_token_ids if first else None, out.error, kind))

@@ -5,14 +5,21 @@ defaults and skip the garbage collector's tracking.
 """
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from kvflow.sampling_params import SamplingParams
 
-FINISH_STOP = "stop"        # EOS, a stop token id or a stop string
-FINISH_LENGTH = "length"    # max_tokens or max_model_len
-FINISH_ABORT = "abort"
-FINISH_ERROR = "error"      # the request was rejected; `error` says why
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are what users see (OpenAI's finish_reason, plus ours)."""
+    STOP = "stop"           # EOS, a stop token id or a stop string
+    LENGTH = "length"       # max_tokens or max_model_len
+    ABORT = "abort"
+    ERROR = "error"         # the request was rejected; `error` says why
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -38,7 +45,7 @@ class RequestDelta(_Hot):
     """What one step added to one request."""
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Per new token: token id -> logprob (top-k plus the sampled token).
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
@@ -75,7 +82,7 @@ class NewRequestData(_Hot):
     num_output_tokens: int = 0       # generated tokens among token_ids (for seeded sampling)
 
 
-class CachedRequestData(_Hot):
+class ContinuingRequestData(_Hot):
     """A request the worker knows: what was appended since the last plan."""
     request_id: str
     new_token_ids: list[int]         # tokens sampled since the last step
@@ -84,12 +91,12 @@ class CachedRequestData(_Hot):
 
 class StepPlan(_Hot, tag=True):
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    continuing_requests: list[ContinuingRequestData]
     # The batch, in order: which requests compute how many tokens this step.
     scheduled_ids: list[str]
     num_scheduled_tokens: list[int]
     # Requests to forget before this step (finished, aborted or preempted).
-    finished_ids: list[str]
+    forget_ids: list[str]
 
 
 class StepResult(_Hot, tag=True):
@@ -137,20 +144,26 @@ class Shutdown(_Control):
     pass
 
 
-class UtilityCall(_Control):
-    """Frontend -> EngineCore: reset_prefix_cache or timings; answered by UtilityResult."""
+class ResetPrefixCache(_Control):
+    """Frontend -> EngineCore: forget every cached block no request holds."""
     call_id: int
-    method: str
+
+
+class GetTimings(_Control):
+    """Frontend -> EngineCore: seconds per phase summed over steps (the benchmarks')."""
+    call_id: int
+
+
+UtilityCall = ResetPrefixCache | GetTimings      # each answered by a UtilityResult
 
 
 class UtilityResult(_Control):
     call_id: int
     result: dict[str, float] = {}
-    error: str | None = None
 
 
 # What each receiver accepts (a tagged union per socket direction).
-ToEngine = EngineRequest | Abort | UtilityCall | Shutdown
+ToEngine = EngineRequest | Abort | ResetPrefixCache | GetTimings | Shutdown
 FromEngine = EngineOutputs | EngineReady | ChildFailed | UtilityResult
 ToWorker = StepPlan | Ping | Shutdown
 FromWorker = StepResult | WorkerReady | Pong | ChildFailed

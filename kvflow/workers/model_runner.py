@@ -35,7 +35,7 @@ class StepInputs:
     positions: torch.Tensor        # [num_tokens]
     meta: AttentionMetadata
     logits_rows: torch.Tensor      # [num_sampled] packed row of each sampling request's last token
-    sampled_ids: list[str]
+    sampled_request_ids: list[str]
     sampling: SamplingBatch
     graph_batch: int = 0           # > 0: replay the decode CUDA graph of this (padded) batch
 
@@ -64,16 +64,16 @@ class ModelRunner:
         self.times = WorkerTimes()
 
     def apply_plan(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_ids:
+        for request_id in plan.forget_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
                 len(new.token_ids) - new.num_output_tokens, new.sampling_params)
-        for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
+        for continuing in plan.continuing_requests:
+            state = self.requests[continuing.request_id]
+            state.token_ids.extend(continuing.new_token_ids)
+            state.block_ids.extend(continuing.new_block_ids)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -89,7 +89,7 @@ class ModelRunner:
         result = StepResult([], [])
         if self.is_driver and logits is not None:
             ids, logprobs = self.sampler(logits, inputs.sampling)
-            result = StepResult(inputs.sampled_ids, ids, logprobs)
+            result = StepResult(inputs.sampled_request_ids, ids, logprobs)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
         self.times.forward += t2 - t1
@@ -113,12 +113,12 @@ class ModelRunner:
     # --- input preparation -------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        bs = self.block_size
+        block_size = self.block_size
         input_ids, positions, slots = [], [], []
         # (first packed row, q_len, context_len, block_ids) of each request, by group
         decodes: list[SeqSpan] = []
         prefills: list[SeqSpan] = []
-        logits_rows, sampled_ids, params, out_pos = [], [], [], []
+        logits_rows, sampled_request_ids, params, out_pos = [], [], [], []
         token_ids: list[list[int]] = []    # references, for the sampler's penalties
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
@@ -129,12 +129,12 @@ class ModelRunner:
             blocks = np.asarray(state.block_ids, dtype=np.int64)
             input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
             positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             (decodes if n == 1 else prefills).append((row, n, end, blocks))
             state.num_computed_tokens = end
             if end == len(state.token_ids):            # reached the end: sample a token
                 logits_rows.append(row + n - 1)
-                sampled_ids.append(request_id)
+                sampled_request_ids.append(request_id)
                 params.append(state.sampling_params)
                 out_pos.append(end - state.num_prompt_tokens)
                 token_ids.append(state.token_ids)
@@ -145,9 +145,9 @@ class ModelRunner:
         if self.graphs is not None and not prefills and self.graphs.fits(decodes):
             batch = self.graphs.load(ids, pos, slot_mapping, decodes)
             return StepInputs(self.graphs.input_ids[:batch], self.graphs.positions[:batch],
-                              self.graphs.metadata[batch], rows, sampled_ids, sampling, batch)
+                              self.graphs.metadata[batch], rows, sampled_request_ids, sampling, batch)
         meta = self.backend.build_metadata(slot_mapping, decodes, prefills)
-        return StepInputs(self._tensor(ids), self._tensor(pos), meta, rows, sampled_ids,
+        return StepInputs(self._tensor(ids), self._tensor(pos), meta, rows, sampled_request_ids,
                           sampling)
 
     @torch.inference_mode()
@@ -155,6 +155,7 @@ class ModelRunner:
         """The largest step the scheduler can send, for measuring peak memory: `num_tokens`
         prompt tokens (in sequences of at most max_model_len) through the model, then logits
         and sampling for max_num_seqs rows. Needs a bound KV cache of `profile_num_blocks`."""
+        block_size = self.block_size
         seq_len, num_seqs = self._profile_shape(num_tokens, max_num_seqs, max_model_len)
         blocks_per_seq = -(-seq_len // self.block_size)
         pos = np.arange(seq_len)
@@ -163,7 +164,7 @@ class ModelRunner:
         for i in range(num_seqs):
             blocks = np.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq)
             spans.append((i * seq_len, seq_len, seq_len, blocks))
-            slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         meta = self.backend.build_metadata(np.concatenate(slots), [], spans)
         ids = self._tensor(np.zeros(num_seqs * seq_len, dtype=np.int64))
         hidden = self.model(ids, self._tensor(np.tile(pos, num_seqs)), meta)
