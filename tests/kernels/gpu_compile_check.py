@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
-from kvflow.kernels import decode_attention, kv_store, prefill_attention, rms_norm, rotary, silu_and_mul  # noqa: E402
+from kvflow.kernels import decode_attention, kv_store, prefill_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -60,18 +60,6 @@ def compile_elementwise(dt: str) -> None:
         key_ptr=f"*{dt}", value_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
         slot_mapping_ptr="*i64", stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32",
     ), dict(NUM_KV_HEADS=3, HEAD_DIM=80, BLOCK_H=4, BLOCK_D=128))
-    for add in (False, True):
-        compile_kernel(rms_norm._rms_norm_kernel, dict(
-            x_ptr=f"*{dt}", residual_ptr=f"*{dt}", weight_ptr=f"*{dt}", out_ptr=f"*{dt}",
-            new_residual_ptr=f"*{dt}", eps="fp32", stride_x="i32", stride_r="i32",
-        ), dict(HIDDEN=576, ADD_RESIDUAL=add, BLOCK=1024))
-    compile_kernel(rotary._rotary_kernel, dict(
-        q_ptr=f"*{dt}", k_ptr=f"*{dt}", positions_ptr="*i64", cos_sin_ptr="*fp32", num_heads="i32",
-        num_kv_heads="i32", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
-        stride_cache="i32",
-    ), dict(HALF=32, BLOCK_HQ=16, BLOCK_HK=4, BLOCK_HALF=32))
-    compile_kernel(silu_and_mul._silu_and_mul_kernel, dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", stride_x="i32"),
-                   dict(D=1536, BLOCK=1024))
 
 
 if __name__ == "__main__":
