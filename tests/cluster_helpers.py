@@ -122,6 +122,31 @@ def zombie_children(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
     return zombies
 
 
+_FAILING_WORKER = """\
+# Written by tests/cluster_helpers.py: worker rank 0 fails at start-up (a test fixture, so
+# kvflow itself carries no test hook). Only worker processes are touched.
+import sys
+if sys.orig_argv[1:3] == ["-m", "kvflow.workers.worker_proc"]:
+    from kvflow.workers import worker as _worker
+    _init = _worker.Worker.__init__
+
+    def _fail(self, config, tp=None):
+        if tp is None or tp.rank == 0:
+            raise RuntimeError("worker 0 failed at start-up on purpose (test fixture)")
+        _init(self, config, tp)
+    _worker.Worker.__init__ = _fail
+"""
+
+
+def failing_worker_env(directory: str) -> dict[str, str]:
+    """Environment variables under which worker rank 0 fails at start-up: a sitecustomize
+    module in `directory`, put first on PYTHONPATH (children inherit it)."""
+    with open(os.path.join(directory, "sitecustomize.py"), "w") as f:
+        f.write(_FAILING_WORKER)
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([directory, rest] if rest else [directory])}
+
+
 class ServeProcess:
     """`launch.py serve` in a new session, its log collected line by line."""
 

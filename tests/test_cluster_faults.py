@@ -34,7 +34,7 @@ import pytest
 import zmq
 
 from cluster_helpers import (ENGINE_MODULE, REPO, TAG_VAR, WORKER_MODULE, ServeProcess,
-                             arg_value, exited, is_module, kill_processes, new_tag,
+                             arg_value, exited, failing_worker_env, is_module, kill_processes, new_tag,
                              send_signal_to_group, tagged_processes, wait_exited,
                              zombie_children)
 from kvflow import LLM, AsyncClient, Client, EngineDeadError, SamplingParams
@@ -49,7 +49,6 @@ KV_GB = 0.1
 PROMPT = "The capital of France is"
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-FAIL_VAR = "KVFLOW_TEST_FAIL_WORKER_START"
 FAIL_MESSAGE = "worker 0 failed at start-up on purpose"
 encode = msgspec.msgpack.encode
 
@@ -385,9 +384,10 @@ def test_serve_signal_stops_cleanly(serve, how: str) -> None:
 
 # --- 5: failures at start-up ---------------------------------------------------------------
 
-def test_llm_worker_start_failure(default_model: str, llm_tag: str,
+def test_llm_worker_start_failure(default_model: str, llm_tag: str, tmp_path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FAIL_VAR, "0")
+    for name, value in failing_worker_env(str(tmp_path)).items():
+        monkeypatch.setenv(name, value)
     children_before = {p.pid for p in psutil.Process().children()}
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=FAIL_MESSAGE):
@@ -414,8 +414,8 @@ def _run_to_exit(s: ServeProcess, timeout: float) -> tuple[int, dict[psutil.Proc
     return s.wait(5), seen
 
 
-def test_serve_worker_start_failure(serve) -> None:
-    s = serve(env={FAIL_VAR: "0"}, wait=False)
+def test_serve_worker_start_failure(serve, tmp_path) -> None:
+    s = serve(env=failing_worker_env(str(tmp_path)), wait=False)
     start = time.monotonic()
     rc, seen = _run_to_exit(s, STARTUP_FAIL_BOUND)
     report("serve: worker 0 fails at start-up -> launcher exits", time.monotonic() - start)

@@ -64,8 +64,6 @@ def run_worker(config: EngineConfig, rank: int, plan_address: str, result_addres
 
 
 def _start(config: EngineConfig, rank: int, dist_address: str):  # type: ignore[no-untyped-def]
-    if os.environ.get("KVFLOW_TEST_FAIL_WORKER_START") == str(rank):
-        raise RuntimeError(f"worker {rank} failed at start-up on purpose (test hook)")
     import torch.distributed as dist
 
     from kvflow.workers.layers.parallel import TPGroup
