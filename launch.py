@@ -129,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         while not finished:
             outputs = engine.get_outputs()
             for delta in outputs.outputs if outputs else []:
-                finished = finished or tracker.apply(delta)
+                finished = finished or tracker.apply(delta, engine.abort)
                 print(tracker.new_text(), end="", flush=True)
         print()
     finally:

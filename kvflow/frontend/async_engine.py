@@ -163,11 +163,9 @@ class AsyncEngine:
             stream = self.streams.get(delta.request_id)
             if stream is None:
                 continue
-            finished = stream.tracker.apply(delta)
+            finished = stream.tracker.apply(delta, self.engine.abort)
             self._record_tokens(stream, len(delta.new_token_ids), delta.queue_seconds, now)
             if finished:
-                if delta.finish_reason is None:          # a stop string ended it here
-                    self.engine.abort([delta.request_id])
                 del self.streams[delta.request_id]
                 self._record_finished(stream, now)
             stream.changed.set()

@@ -124,9 +124,7 @@ class LLM:
                 if tracker is None:
                     continue
                 num_out_tokens += len(delta.new_token_ids)
-                if tracker.apply(delta):
-                    if delta.finish_reason is None:       # a stop string ended it here
-                        engine.abort([delta.request_id])
+                if tracker.apply(delta, engine.abort):
                     del live[delta.request_id]
                     bar.update(1)
             bar.set_postfix_str(f"{num_out_tokens / (time.perf_counter() - start):.1f} out tok/s",

@@ -2,6 +2,8 @@
 incremental detokenization and stop strings (text is cut before the stop string)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import msgspec
 
 from kvflow.frontend.tokenizer import Tokenizer
@@ -41,8 +43,10 @@ class RequestTracker:
         self.hold_back = max((len(s) for s in self.stops), default=1) - 1
         self.num_text_sent = 0
 
-    def apply(self, delta: RequestDelta) -> bool:
-        """Fold a delta in; returns True when the request is finished (stop string included)."""
+    def apply(self, delta: RequestDelta,
+              abort: Callable[[list[str]], None] | None = None) -> bool:
+        """Fold a delta in; returns True when the request is finished. A stop string ends it
+        here, where the engine cannot see it: then `abort` tells the engine to stop it."""
         out = self.output
         out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:
@@ -55,6 +59,8 @@ class RequestTracker:
                 out.logprobs.append(delta.logprobs[i])
             if self._add_text(token_id):
                 out.finish_reason = FinishReason.STOP
+                if abort is not None and delta.finish_reason is None:
+                    abort([out.request_id])
                 return True
         if delta.finish_reason is not None:
             out.finish_reason = delta.finish_reason
