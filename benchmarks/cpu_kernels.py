@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvflow.kernels import cpu_ops
-from kvflow.workers.attention_backends import CpuBackend, TorchBackend
+from kvflow.workers.attention import CpuBackend, SeqSpan, TorchBackend
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -41,7 +41,7 @@ def spans_for(lengths: list[int], q_lens: list[int], block_size: int, num_blocks
     order = rng.permutation(num_blocks) if placement == "scattered" else np.arange(num_blocks)
     spans, used, row = [], 0, 0
     for n, q_len, nb in zip(lengths, q_lens, need):
-        spans.append((row, q_len, n, order[used:used + nb]))
+        spans.append(SeqSpan(row, q_len, n, order[used:used + nb]))
         used, row = used + nb, row + q_len
     assert used <= num_blocks
     return spans

@@ -7,7 +7,7 @@ import torch
 
 from kvflow import LLM
 from kvflow.config import make_engine_config
-from kvflow.workers.attention_backends import resolve_backend
+from kvflow.workers.attention import SeqSpan, resolve_backend
 from kvflow.workers.cuda_graphs import batch_size_ladder
 
 CPU = torch.device("cpu")
@@ -64,12 +64,12 @@ def test_batch_size_ladder() -> None:
 
 def test_paged_metadata_rows_and_tables() -> None:
     pytest.importorskip("triton")
-    from kvflow.workers.attention_backends import TritonBackend
+    from kvflow.workers.attention import TritonBackend
     backend = TritonBackend(4, 2, 8, torch.float32, CPU)
     blocks = [np.array([7, 3, 5]), np.array([1]), np.array([2, 6])]
     # Rows: decode(0), prefill 3 rows (1-3), decode(4), prefill 2 rows (5-6).
-    decodes = [(0, 1, 9, blocks[0]), (4, 1, 2, blocks[1])]
-    prefills = [(1, 3, 3, blocks[1]), (5, 2, 6, blocks[2])]
+    decodes = [SeqSpan(0, 1, 9, blocks[0]), SeqSpan(4, 1, 2, blocks[1])]
+    prefills = [SeqSpan(1, 3, 3, blocks[1]), SeqSpan(5, 2, 6, blocks[2])]
     meta = backend.build_metadata(np.arange(7), decodes, prefills)
     assert meta.decode is not None and meta.prefill is not None
     assert isinstance(meta.decode.rows, torch.Tensor)          # not adjacent: gather indices
@@ -81,6 +81,7 @@ def test_paged_metadata_rows_and_tables() -> None:
     assert meta.prefill.cu_seqlens_q.tolist() == [0, 3, 5]
     assert meta.prefill.cu_seqlens_k.tolist() == [0, 3, 9]
     assert (meta.prefill.max_seqlen_q, meta.prefill.max_seqlen_k) == (3, 6)
-    adjacent = backend.build_metadata(np.arange(3), [(0, 1, 9, blocks[0]), (1, 1, 2, blocks[1])],
-                                      [(2, 1, 1, blocks[2])])
+    adjacent = backend.build_metadata(
+        np.arange(3), [SeqSpan(0, 1, 9, blocks[0]), SeqSpan(1, 1, 2, blocks[1])],
+        [SeqSpan(2, 1, 1, blocks[2])])
     assert adjacent.decode is not None and adjacent.decode.rows == slice(0, 2)

@@ -14,8 +14,8 @@ import torch
 
 from kvflow.kernels import cpu_ops
 from kvflow.kernels.torch_attention import store_kv as torch_store_kv
-from kvflow.workers.attention_backends import (CpuBackend, TorchBackend, cpu_kernels_usable,
-                                               resolve_backend)
+from kvflow.workers.attention import (CpuBackend, SeqSpan, TorchBackend, cpu_kernels_usable,
+                                      resolve_backend)
 from kvflow.workers.layers.norm import rms_norm
 from kvflow.workers.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.workers.models.llama import silu_and_mul
@@ -44,7 +44,7 @@ def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_bloc
     spans, used, row = [], 0, first_row
     for ctx, q_len in zip(context_lens, q_lens):
         n = -(-ctx // block_size)
-        spans.append((row, q_len, ctx, perm[used:used + n]))
+        spans.append(SeqSpan(row, q_len, ctx, perm[used:used + n]))
         used, row = used + n, row + q_len
     return spans
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.workers.attention_backends import AttentionBackend, PagedBackend, SeqSpan
-from kvflow.workers.layers.attention import AttentionMetadata
+from kvflow.workers.attention import AttentionBackend, AttentionMetadata, PagedBackend, SeqSpan
 from kvflow.workers.models.llama import LlamaForCausalLM
 
 MAX_GRAPH_BATCH = 512
@@ -93,8 +92,8 @@ class DecodeGraphs:
         """Whether a decode-only step can replay a graph."""
         if len(decodes) > self.max_batch:
             return False
-        bs = self.backend.block_size
-        return max(-(-ctx // bs) for _, _, ctx, _ in decodes) <= self.max_blocks
+        block_size = self.backend.block_size
+        return max(-(-d.context_len // block_size) for d in decodes) <= self.max_blocks
 
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
              decodes: list[SeqSpan]) -> int:
@@ -110,11 +109,11 @@ class DecodeGraphs:
         h["slot_mapping"][:n], h["slot_mapping"][n:batch] = slot_mapping, -1
         h["context_lens"][n:batch] = 1
         h["block_tables"][n:batch, 0] = 0
-        bs = self.backend.block_size
-        for i, (_, _, ctx, blocks) in enumerate(decodes):
-            num_blocks = -(-ctx // bs)
-            h["context_lens"][i] = ctx
-            h["block_tables"][i, :num_blocks] = blocks[:num_blocks]
+        block_size = self.backend.block_size
+        for i, d in enumerate(decodes):
+            num_blocks = -(-d.context_len // block_size)
+            h["context_lens"][i] = d.context_len
+            h["block_tables"][i, :num_blocks] = d.block_ids[:num_blocks]
         # Whole rows (contiguous, so the copy stays asynchronous); columns past a request's
         # blocks hold stale but valid ids that the kernels never read.
         for name, t in self._inputs().items():

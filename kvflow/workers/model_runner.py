@@ -13,9 +13,8 @@ import torch
 
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
-from kvflow.workers.attention_backends import AttentionBackend, SeqSpan, to_device
+from kvflow.workers.attention import AttentionBackend, AttentionMetadata, SeqSpan, to_device
 from kvflow.workers.cuda_graphs import DecodeGraphs
-from kvflow.workers.layers.attention import AttentionMetadata
 from kvflow.workers.models.llama import LlamaForCausalLM
 from kvflow.workers.sampler import Sampler, SamplingBatch
 
@@ -115,7 +114,6 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs:
         block_size = self.block_size
         input_ids, positions, slots = [], [], []
-        # (first packed row, q_len, context_len, block_ids) of each request, by group
         decodes: list[SeqSpan] = []
         prefills: list[SeqSpan] = []
         logits_rows, sampled_request_ids, params, out_pos = [], [], [], []
@@ -130,7 +128,7 @@ class ModelRunner:
             input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            (decodes if n == 1 else prefills).append((row, n, end, blocks))
+            (decodes if n == 1 else prefills).append(SeqSpan(row, n, end, blocks))
             state.num_computed_tokens = end
             if end == len(state.token_ids):            # reached the end: sample a token
                 logits_rows.append(row + n - 1)
@@ -163,7 +161,7 @@ class ModelRunner:
         slots = []
         for i in range(num_seqs):
             blocks = np.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq)
-            spans.append((i * seq_len, seq_len, seq_len, blocks))
+            spans.append(SeqSpan(i * seq_len, seq_len, seq_len, blocks))
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         meta = self.backend.build_metadata(np.concatenate(slots), [], spans)
         ids = self._tensor(np.zeros(num_seqs * seq_len, dtype=np.int64))

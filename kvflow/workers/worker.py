@@ -18,7 +18,7 @@ import torch
 
 from kvflow.config import EngineConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
-from kvflow.workers.attention_backends import AttentionBackend, make_backend, resolve_backend
+from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.layers.attention import Attention
 from kvflow.workers.layers.compile import compile_elementwise, use_cpu_kernels
 from kvflow.workers.layers.linear import cpu_packing_works, pack_cpu_weights

@@ -14,7 +14,7 @@ import torch
 from gpu_helpers import VOCAB_SIZE, as_reference, requires_cuda
 from hf_reference import assert_greedy_match, hf_greedy
 from kvflow import LLM, SamplingParams
-from kvflow.workers.attention_backends import flash_attn_importable
+from kvflow.workers.attention import flash_attn_importable
 
 pytestmark = requires_cuda
 MAX_TOKENS = 24

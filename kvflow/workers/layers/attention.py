@@ -1,26 +1,15 @@
 """The attention layer: store this step's K/V in the paged cache, then attend over it.
 
-How both are done belongs to the attention backend (kvflow/workers/attention_backends.py): its
+How both are done belongs to the attention backend (kvflow/workers/attention/): its
 cache layout, its per-step metadata (built once by the model runner, passed down explicitly)
 and its kernels. The worker binds the backend and this layer's slice of the cache once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from kvflow.workers.attention_backends import AttentionBackend
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """What every backend needs; each backend's metadata subclasses it."""
-    slot_mapping: torch.Tensor                  # [num_tokens] cache slot of each new token
-
+from kvflow.workers.attention.base import AttentionBackend, AttentionMetadata
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.workers.layers.attention import Attention, AttentionMetadata
+from kvflow.workers.attention import AttentionMetadata
+from kvflow.workers.layers.attention import Attention
 from kvflow.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)

@@ -1,0 +1,72 @@
+"""The `cpu` backend: the torch layout, with kvflow's C kernels (kvflow/kernels/cpu_ops.c) for
+the KV store and the attention of every query row, decodes and prefills alike."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvflow.kernels.torch_attention import cache_shape
+from kvflow.workers.attention.base import (AttentionBackend, AttentionMetadata, SeqSpan,
+                                           block_tables)
+
+
+@dataclass(frozen=True)
+class CpuMetadata(AttentionMetadata):
+    block_tables: torch.Tensor      # [num_requests, max_blocks] int32
+    table_rows: torch.Tensor        # [num_rows] int32: each query row's request
+    context_lens: torch.Tensor      # [num_rows] int32: the keys each row sees, its own included
+    q_rows: torch.Tensor            # [num_rows] int64: each row's packed row
+
+
+class CpuBackend(AttentionBackend):
+    """The torch backend's cache layout; kvflow/kernels/cpu_ops.c does the rest: it stores the
+    new K/V rows (a memcpy a row instead of index_copy_), and attends for every query row,
+    decode or prefill, in one call per layer, reading the paged cache in place (no block
+    gathers, no bmm or SDPA calls). A prefill of n tokens after c cached ones is n rows with
+    contexts c+1 .. c+n: causal attention, cached prefix included. float32 and bfloat16."""
+    name = "cpu"
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
+        from kvflow.kernels.cpu_ops import paged_attention, store_kv
+        self._kernel, self._store = paged_attention, store_kv
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return cache_shape(num_blocks, self.block_size, *self.kv_shape)
+
+    def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
+                       prefills: list[SeqSpan]) -> CpuMetadata:
+        spans = decodes + prefills
+        first_row, q_lens, contexts = (np.fromiter((span[i] for span in spans), np.int64,
+                                                   len(spans)) for i in range(3))
+        table_rows = np.repeat(np.arange(len(spans), dtype=np.int32), q_lens)
+        # Offset of each row inside its request's new tokens: 0 .. q_len - 1.
+        offsets = np.arange(len(table_rows)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        context_lens = contexts[table_rows] - q_lens[table_rows] + 1 + offsets
+        return CpuMetadata(self._tensor(slot_mapping),
+                           torch.from_numpy(block_tables(spans, self.block_size)),
+                           torch.from_numpy(table_rows),
+                           torch.from_numpy(context_lens.astype(np.int32)),
+                           torch.from_numpy(first_row[table_rows] + offsets))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert isinstance(meta, CpuMetadata), type(meta)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self._kernel(q, k_cache, v_cache, meta.block_tables, meta.table_rows,
+                     meta.context_lens, meta.q_rows, self.block_size, scale, out)
+        return out
+
+
+def cpu_kernels_usable(dtype: torch.dtype) -> str | None:
+    """None when the cpu backend can run `dtype` here, else why not."""
+    from kvflow.kernels import cpu_ops
+    if dtype not in cpu_ops.DTYPES:
+        return f"dtype {dtype} (the kernels have float32 and bfloat16)"
+    if cpu_ops.library() is None:
+        return f"the kernels did not build: {cpu_ops.build_error()}"
+    return None
