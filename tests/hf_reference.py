@@ -1,4 +1,4 @@
-"""HF transformers as the correctness reference, and DESIGN.md §4's rule for logit ties."""
+"""HF transformers as the correctness reference, and docs/design.md §4's rule for logit ties."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Fault tolerance of the real cluster (DESIGN.md §1, "Death"): real processes, real signals.
+"""Fault tolerance of the real cluster (docs/design.md §1, "Death"): real processes, real signals.
 
 - A worker or EngineCore killed: every pending and every new request fails with
   EngineDeadError within 5 s, and the rest of the engine side exits (through `launch.py serve`

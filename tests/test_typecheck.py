@@ -1,4 +1,4 @@
-"""The type checker over the packages that must stay fully typed (DESIGN.md §5.10)."""
+"""The type checker over the packages that must stay fully typed (docs/design.md §5.10)."""
 from __future__ import annotations
 
 import os

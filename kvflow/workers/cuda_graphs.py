@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (DESIGN.md §3).
+"""Decode steps replayed from CUDA graphs (docs/design.md §3).
 
 A decode-only step launches the same few hundred small kernels every time, so on a GPU its cost
 is launch overhead more than math. Graphs are captured once, at start-up, for a ladder of batch

@@ -1,6 +1,6 @@
 """kvflow on a CUDA GPU: HF equality in bf16, CUDA graphs vs eager, flash-attn vs triton.
 
-Greedy comparisons use DESIGN.md §4's rule (assert_greedy_match): equal up to the first
+Greedy comparisons use docs/design.md §4's rule (assert_greedy_match): equal up to the first
 divergence, and there each side's token in the other's top-5, since bf16 rounding (and any
 change of kernel or summation order) can flip near-tied logits of a random model.
 """
