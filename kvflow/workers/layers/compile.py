@@ -33,9 +33,9 @@ def compile_elementwise(model: nn.Module) -> int:
 def use_cpu_kernels(model: nn.Module) -> int:
     """Replace every module's `elementwise_fn` by its C twin; returns how many were replaced."""
     from kvflow.kernels import cpu_ops
+    from kvflow.workers.layers.activation import silu_and_mul
     from kvflow.workers.layers.norm import rms_norm
     from kvflow.workers.layers.rotary import apply_rotary
-    from kvflow.workers.models.llama import silu_and_mul
     twins: dict[Callable, Callable] = {rms_norm: cpu_ops.rms_norm,
                                        silu_and_mul: cpu_ops.silu_and_mul,
                                        apply_rotary: cpu_ops.apply_rotary}

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.workers.attention import AttentionMetadata
+from kvflow.workers.layers.activation import silu_and_mul
 from kvflow.workers.layers.attention import Attention
 from kvflow.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -67,11 +67,6 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.elementwise_fn(self.gate_up_proj(x)))
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)                             # [num_tokens, inter] each
-    return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
