@@ -18,7 +18,7 @@ from kvflow.workers.attention import (CpuBackend, SeqSpan, TorchBackend, cpu_ker
                                       resolve_backend)
 from kvflow.workers.layers.norm import rms_norm
 from kvflow.workers.layers.rotary import RotaryEmbedding, apply_rotary
-from kvflow.workers.models.llama import silu_and_mul
+from kvflow.workers.layers.activation import silu_and_mul
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
