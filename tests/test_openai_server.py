@@ -373,6 +373,10 @@ def test_unknown_model_and_path(server: ServeProcess) -> None:
 def test_tokenize_detokenize_version(server: ServeProcess, tokenizer: Tokenizer) -> None:
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[1]}).json()
     assert r["tokens"] == tokenizer.encode(PROMPTS[1]) and r["count"] == len(r["tokens"])
+    plain = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[1],
+                                                       "add_special_tokens": False}).json()
+    assert plain["tokens"] == tokenizer.tokenizer.encode(PROMPTS[1],
+                                                         add_special_tokens=False).ids
     assert httpx.post(server.url + "/detokenize",
                       json={"tokens": r["tokens"]}).json() == {"prompt": PROMPTS[1]}
     chat = httpx.post(server.url + "/tokenize", json={"messages": CHATS[0]}).json()

@@ -246,7 +246,7 @@ def _add_token_routes(app: FastAPI, engine: AsyncEngine) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = parse(await request.body(), TokenizeRequest)
+        req = parse(await request.body(), TokenizeRequest, generation=False)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         try:
@@ -259,7 +259,7 @@ def _add_token_routes(app: FastAPI, engine: AsyncEngine) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = parse(await request.body(), DetokenizeRequest)
+        req = parse(await request.body(), DetokenizeRequest, generation=False)
         bad = next((t for t in req.tokens if not 0 <= t < config.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary "

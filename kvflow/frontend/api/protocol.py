@@ -123,8 +123,9 @@ _IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "reasoni
             "spaces_between_special_tokens", "echo", "stream_options", "priority"}
 
 
-def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode and type-check a JSON body into `kind`; 400 naming the field otherwise."""
+def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> Any:
+    """Decode and type-check a JSON body into `kind`; 400 naming the field otherwise. For a
+    generation request (`generation`), fields kvflow does not implement are refused too."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
@@ -133,6 +134,8 @@ def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, "the JSON body must be an object")
     raw = {k: v for k, v in raw.items() if v is not None}    # null is "not given"
     unsupported = {**_UNSUPPORTED, **(_CHAT_ONLY_UNSUPPORTED if kind is ChatRequest else {})}
+    if not generation:
+        unsupported = {}
     for name, accepted in unsupported.items():
         if name in raw and not accepted(raw[name]):
             raise ApiError(400, f"{name}={raw[name]!r} is not supported by kvflow", name)
