@@ -2,7 +2,8 @@
 from kvflow.workers.attention.base import (AttentionBackend, AttentionMetadata, SeqSpan,
                                            block_tables, to_device)
 from kvflow.workers.attention.cpu_backend import CpuBackend, cpu_kernels_usable
-from kvflow.workers.attention.paged import FlashAttnBackend, PagedBackend, TritonBackend
+from kvflow.workers.attention.flash_backend import FlashAttnBackend
+from kvflow.workers.attention.paged import PagedBackend, TritonBackend
 from kvflow.workers.attention.selection import (flash_attn_importable, make_backend,
                                                 resolve_backend, triton_importable)
 from kvflow.workers.attention.torch_backend import TorchBackend

@@ -1,4 +1,5 @@
-"""Attention backends: one interface, four implementations, one module each (docs/design.md).
+"""Attention backends: one interface (this module), four implementations, one module each
+(docs/design.md).
 
 A backend owns
 - its KV cache layout (`cache_shape`, per layer, for K and for V alike),
@@ -7,20 +8,23 @@ A backend owns
   (q_len 1) and prefills (the rest),
 - storing the step's K/V (`store_kv`) and attending (`attend`).
 
-- `torch`: plain torch, the reference and the CPU fallback (kvflow/kernels/torch_attention.py);
-  head-major cache `[num_kv_heads, num_blocks * block_size, head_dim]`.
-- `cpu`: the torch layout, with kvflow's C kernels (kvflow/kernels/cpu_ops.c) for the KV store
-  and for the attention of every query row, decodes and prefills alike. CPU, float32/bfloat16.
-- `triton`: kvflow's Triton kernels (kvflow/kernels: store_kv, paged decode with split-K, paged
-  varlen prefill); cache `[num_blocks, block_size, num_kv_heads, head_dim]`. CUDA, or CPU under
-  `TRITON_INTERPRET=1` (slow, for tests).
-- `flash_attn`: flash-attn's paged API (`flash_attn_with_kvcache` for decodes,
-  `flash_attn_varlen_func` with a block table for prefills) on the triton layout; the KV store
-  is kvflow's Triton kernel. CUDA only, block_size a multiple of 256, float16 or bfloat16.
+- `torch` (torch_backend.py): plain torch, the reference and the CPU fallback
+  (kvflow/kernels/torch_attention.py); head-major cache
+  `[num_kv_heads, num_blocks * block_size, head_dim]`.
+- `cpu` (cpu_backend.py): the torch layout, with kvflow's C kernels (kvflow/kernels/cpu_ops.c)
+  for the KV store and for the attention of every query row, decodes and prefills alike. CPU,
+  float32/bfloat16.
+- `triton` (paged.py): kvflow's Triton kernels (kvflow/kernels: store_kv, paged decode with
+  split-K, paged varlen prefill); cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
+  CUDA, or CPU under `TRITON_INTERPRET=1` (slow, for tests).
+- `flash_attn` (flash_backend.py): flash-attn's paged API (`flash_attn_with_kvcache` for
+  decodes, `flash_attn_varlen_func` with a block table for prefills) on the triton layout; the
+  KV store is kvflow's Triton kernel. CUDA only, block_size a multiple of 256, float16 or
+  bfloat16.
 
-`auto` (resolved by the worker, see `selection.resolve_backend`): flash_attn when it imports on CUDA and the
-block size and dtype fit, else triton on CUDA; on CPU cpu when the C kernels build and the dtype
-is float32/bfloat16, else torch.
+`auto` (resolved by the worker, see `selection.resolve_backend`): flash_attn when it imports on
+CUDA and the block size and dtype fit, else triton on CUDA; on CPU cpu when the C kernels build
+and the dtype is float32/bfloat16, else torch.
 """
 from __future__ import annotations
 
@@ -95,6 +99,3 @@ class AttentionBackend:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
-
-
-# --- torch ---------------------------------------------------------------------------------

@@ -40,8 +40,9 @@ class CpuBackend(AttentionBackend):
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
                        prefills: list[SeqSpan]) -> CpuMetadata:
         spans = decodes + prefills
-        first_row, q_lens, contexts = (np.fromiter((span[i] for span in spans), np.int64,
-                                                   len(spans)) for i in range(3))
+        first_row = np.fromiter((span.first_row for span in spans), np.int64, len(spans))
+        q_lens = np.fromiter((span.num_query_tokens for span in spans), np.int64, len(spans))
+        contexts = np.fromiter((span.context_len for span in spans), np.int64, len(spans))
         table_rows = np.repeat(np.arange(len(spans), dtype=np.int32), q_lens)
         # Offset of each row inside its request's new tokens: 0 .. q_len - 1.
         offsets = np.arange(len(table_rows)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)

@@ -1,20 +1,16 @@
-"""The paged layout `[num_blocks, block_size, num_kv_heads, head_dim]` and its two backends:
-`triton` (kvflow's Triton kernels) and `flash_attn` (flash-attn's paged API, kvflow's Triton
-KV store)."""
+"""The paged layout `[num_blocks, block_size, num_kv_heads, head_dim]` (block tables, the
+Triton KV store) and its `triton` backend (kvflow's Triton kernels); the `flash_attn` backend
+(flash_backend.py) shares the layout."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvflow.config import FLASH_ATTN_BLOCK_SIZE
 from kvflow.workers.attention.base import (AttentionBackend, AttentionMetadata, SeqSpan,
                                            block_tables)
 
-
-# --- paged layout: triton and flash_attn ---------------------------------------------------
 
 Rows = slice | torch.Tensor     # a request group's packed query rows: a range, or gather indices
 
@@ -147,30 +143,3 @@ class TritonBackend(PagedBackend):
                 part: PrefillPart, scale: float) -> torch.Tensor:
         return self._prefill(q, k_cache, v_cache, part.cu_seqlens_q, part.context_lens,
                              part.block_tables, scale, part.max_seqlen_q)
-
-
-class FlashAttnBackend(PagedBackend):
-    name = "flash_attn"
-
-    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
-        assert block_size % FLASH_ATTN_BLOCK_SIZE == 0, block_size
-        flash_attn = importlib.import_module("flash_attn")
-        self._with_kvcache = flash_attn.flash_attn_with_kvcache
-        self._varlen = flash_attn.flash_attn_varlen_func
-
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               part: DecodePart, scale: float) -> torch.Tensor:
-        # q as [batch, seqlen_q=1, num_heads, head_dim]; the cache already holds the new K/V.
-        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache,
-                                 cache_seqlens=part.context_lens, block_table=part.block_tables,
-                                 softmax_scale=scale, causal=True)
-        return out.squeeze(1)
-
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                part: PrefillPart, scale: float) -> torch.Tensor:
-        # Causal masks align bottom-right: new token i of a request sees context - q_len + i.
-        return self._varlen(q, k_cache, v_cache, part.cu_seqlens_q, part.cu_seqlens_k,
-                            part.max_seqlen_q, part.max_seqlen_k, softmax_scale=scale,
-                            causal=True, block_table=part.block_tables)

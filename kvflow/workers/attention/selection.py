@@ -10,7 +10,8 @@ import torch
 from kvflow.config import FLASH_ATTN_BLOCK_SIZE
 from kvflow.workers.attention.base import AttentionBackend
 from kvflow.workers.attention.cpu_backend import CpuBackend, cpu_kernels_usable
-from kvflow.workers.attention.paged import FlashAttnBackend, TritonBackend
+from kvflow.workers.attention.flash_backend import FlashAttnBackend
+from kvflow.workers.attention.paged import TritonBackend
 from kvflow.workers.attention.torch_backend import TorchBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
