@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.workers.layers.linear import linear, onednn_packed
+from kvflow.workers.layers.linear import LinearMethod
 from kvflow.workers.layers.parallel import TPGroup, narrow
 
 
@@ -37,16 +37,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocab slice, gathered on rank 0 (where sampling happens)."""
+    """Logits for this rank's vocab slice, gathered on rank 0 (where sampling happens). The
+    matmul is its `LinearMethod`'s (layers/linear.py); with tied embeddings the plain weight
+    is the embedding's too, so it stays after `finish_loading`."""
 
-    packed: torch.Tensor | None = None
+    prepared: Any = None
 
-    def pack_weight(self) -> None:
-        """A packed copy for the matmul (layers/linear.py); the plain weight stays, as the
-        embedding may share it."""
-        self.packed = onednn_packed(self.weight.data)
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, method: LinearMethod,
+                 tied: bool) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.method = method
+        self.tied = tied
+
+    def finish_loading(self) -> None:
+        self.prepared = self.method.prepare(self.weight.data)
+        if self.prepared is not None and not self.tied:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = linear(hidden, self.weight, self.packed)  # [num_tokens, vocab_per_rank]
+        local = self.method.apply(hidden, self.weight, self.prepared)  # [tokens, vocab/rank]
         logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, :self.vocab_size]

@@ -1,8 +1,12 @@
 """RMSNorm with HF Llama's numerics: normalise in float32, cast back, then scale."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
+
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -13,11 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """`fn` is `rms_norm` or one of its twins (layers/ops.py)."""
+
+    def __init__(self, hidden_size: int, eps: float, fn: NormFn = rms_norm) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.elementwise_fn = rms_norm      # compiled on CUDA (layers/compile.py)
+        self.fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.elementwise_fn(x, self.weight, self.eps)
+        return self.fn(x, self.weight, self.eps)

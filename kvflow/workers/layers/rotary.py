@@ -1,6 +1,8 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF Llama and Qwen use)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -21,8 +23,16 @@ def rope_inv_freq(hf_config: dict, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config: dict, head_dim: int, max_position: int) -> None:
+    """cos/sin tables for every position; `fn` is `apply_rotary` or one of its twins
+    (layers/ops.py)."""
+
+    def __init__(self, hf_config: dict, head_dim: int, max_position: int,
+                 fn: RotaryFn | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(hf_config, head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
@@ -31,11 +41,11 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.elementwise_fn = apply_rotary  # compiled on CUDA (layers/compile.py)
+        self.fn = fn or apply_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.elementwise_fn(positions, q, k, self.cos, self.sin)
+        return self.fn(positions, q, k, self.cos, self.sin)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

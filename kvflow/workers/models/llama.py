@@ -1,7 +1,10 @@
 """Llama as plain modules (also the base of Qwen2 and Qwen3, which differ in two flags).
 
 Qwen2 adds a bias to q/k/v; Qwen3 adds an RMSNorm over each head of q and k before rotary.
-Tensor parallelism lives in the layers; this file reads like the paper.
+Tensor parallelism lives in the layers; this file reads like the paper. The model is built with
+everything it runs: the worker's op implementations (`ops`, layers/ops.py: elementwise
+functions and linear method) and its KV cache (kvflow/workers/kv_cache.py); after the weights
+are loaded, `finish_loading` lets each linear layer prepare its weight (e.g. oneDNN packing).
 """
 from __future__ import annotations
 
@@ -11,35 +14,41 @@ import torch
 from torch import nn
 
 from kvflow.workers.attention import AttentionMetadata
-from kvflow.workers.layers.activation import silu_and_mul
+from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.attention import Attention
 from kvflow.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.workers.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                          RowParallelLinear)
+                                          RowParallelLinear, heads_per_rank)
 from kvflow.workers.layers.norm import RMSNorm
+from kvflow.workers.layers.ops import Ops
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.layers.rotary import RotaryEmbedding
 
 
+def head_dim_of(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, ops: Ops, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding, kv_cache: KVCache, layer_index: int) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads", num_heads)
-        self.head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.head_dim = head_dim_of(cfg)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads,
-                                          qkv_bias, tp)
+                                          qkv_bias, tp, ops.linear)
         self.num_heads = self.qkv_proj.num_heads             # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden,
-                                        cfg.get("attention_bias", False), tp)
+                                        cfg.get("attention_bias", False), tp, ops.linear)
         self.rotary = rotary                                  # one table, shared by layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5)
-        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+                              self.head_dim ** -0.5, kv_cache, layer_index)
+        eps = cfg["rms_norm_eps"]
+        self.q_norm = RMSNorm(self.head_dim, eps, ops.rms_norm) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, ops.rms_norm) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -57,26 +66,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, ops: Ops) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         bias = cfg.get("mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
-        self.elementwise_fn = silu_and_mul  # compiled on CUDA (layers/compile.py)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp,
+                                                       ops.linear)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, ops.linear)
+        self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.elementwise_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, ops: Ops, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding, kv_cache: KVCache, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.self_attn = LlamaAttention(cfg, tp, qkv_bias, qk_norm, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.mlp = LlamaMLP(cfg, tp)
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(hidden, eps, ops.rms_norm)
+        self.self_attn = LlamaAttention(cfg, tp, ops, qkv_bias, qk_norm, rotary, kv_cache,
+                                        layer_index)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops.rms_norm)
+        self.mlp = LlamaMLP(cfg, tp, ops)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -85,14 +97,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, tp: TPGroup, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, ops: Ops, qkv_bias: bool, qk_norm: bool,
+                 kv_cache: KVCache) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        rotary = RotaryEmbedding(cfg, head_dim, cfg.get("max_position_embeddings", 4096))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, qk_norm, rotary)
-                                    for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        rotary = RotaryEmbedding(cfg, head_dim_of(cfg), cfg.get("max_position_embeddings", 4096),
+                                 ops.apply_rotary)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, ops, qkv_bias, qk_norm, rotary, kv_cache, i)
+            for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], ops.rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,14 +124,32 @@ class LlamaForCausalLM(nn.Module):
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: dict, tp: TPGroup) -> None:
+    def __init__(self, cfg: dict, tp: TPGroup, ops: Ops, kv_cache: KVCache) -> None:
         super().__init__()
         self.cfg = cfg
         qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
-        self.model = LlamaModel(cfg, tp, qkv_bias, self.qk_norm)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
-        if cfg.get("tie_word_embeddings", False):
+        self.model = LlamaModel(cfg, tp, ops, qkv_bias, self.qk_norm, kv_cache)
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp, ops.linear,
+                                      tied)
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def kv_cache_spec(cfg: dict, tp: TPGroup) -> tuple[int, int, int]:
+        """(layers, KV heads on this rank, head_dim): what the KV cache is sized by, known
+        before the model is built."""
+        num_heads = cfg["num_attention_heads"]
+        _, num_kv_heads, _ = heads_per_rank(num_heads, cfg.get("num_key_value_heads", num_heads),
+                                            tp)
+        return cfg["num_hidden_layers"], num_kv_heads, head_dim_of(cfg)
+
+    def finish_loading(self) -> int:
+        """Each linear layer prepares its loaded weight for its method; returns how many."""
+        layers = [m for m in self.modules() if hasattr(m, "finish_loading") and m is not self]
+        for layer in layers:
+            layer.finish_loading()      # type: ignore[operator]
+        return len(layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

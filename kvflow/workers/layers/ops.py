@@ -1,0 +1,63 @@
+"""The implementations a model is built with, chosen once by the worker before the build.
+
+The small elementwise ops (RMSNorm, SiLU-and-mul, rotary), the sampler's argmax and the way
+linear layers hold their weights come in three sets; every layer receives the chosen set in its
+constructor and keeps it, so the model that runs is the one `models/llama.py` builds:
+
+- `torch`: plain torch ops, the reference (also the GPU path under enforce_eager).
+- `compiled` (CUDA): each elementwise function through `torch.compile(dynamic=True)`, one
+  compiled copy shared by every layer and batch size; it fuses the five to ten tiny kernels
+  of each op into one or two, which is GPU time per step under CUDA graphs.
+- `c` (CPU, with the `cpu` attention backend): kvflow's C kernels (kvflow/kernels/cpu_ops.c):
+  one call each instead of five to ten small torch ops, most of these ops' cost on CPU.
+
+On CPU, when this torch's oneDNN can, linear weights are packed once after loading into
+oneDNN's blocked layout (`layers/linear.py`), whatever the elementwise set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvflow.workers.layers.activation import silu_and_mul
+from kvflow.workers.layers.linear import LinearMethod, OneDnnLinear
+from kvflow.workers.layers.norm import rms_norm
+from kvflow.workers.layers.rotary import apply_rotary
+from kvflow.workers.sampler import torch_argmax
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str                                               # torch | compiled | c
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    silu_and_mul: Callable[[Tensor], Tensor]
+    apply_rotary: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+    argmax: Callable[[Tensor], Tensor] = torch_argmax       # row argmax, first index of the max
+    linear: LinearMethod = LinearMethod()                   # how linear layers hold weights
+
+
+TORCH_OPS = Ops("torch", rms_norm, silu_and_mul, apply_rotary)
+
+
+def compiled_ops() -> Ops:
+    compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
+    return Ops("compiled", compile_(rms_norm), compile_(silu_and_mul), compile_(apply_rotary))
+
+
+def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
+               enforce_eager: bool) -> Ops:
+    """compiled on CUDA unless enforce_eager; C kernels on CPU with the `cpu` attention
+    backend (its library is the one that built); else plain torch. On CPU the linear
+    weights are packed for oneDNN where this torch can."""
+    if device.type == "cuda":
+        return TORCH_OPS if enforce_eager else compiled_ops()
+    linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
+    if attention_backend == "cpu":
+        from kvflow.kernels import cpu_ops
+        return Ops("c", cpu_ops.rms_norm, cpu_ops.silu_and_mul, cpu_ops.apply_rotary,
+                   cpu_ops.argmax, linear)
+    return Ops("torch", rms_norm, silu_and_mul, apply_rotary, linear=linear)
