@@ -29,7 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=1, help="tensor-parallel size")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV cache dtype (auto: the checkpoint's)")
+                        help="weights and KV cache dtype (auto: on CPU bfloat16 where the CPU has "
+                             "AVX512-BF16 or AMX, else float32; on CUDA the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="max prompt + output tokens per request (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
@@ -57,6 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "on CUDA; on CPU 'cpu', kvflow's C kernels, built once with "
                              "$CC or cc, else plain 'torch'; the choice is logged at "
                              "start-up)")
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="int8: W8A8 linears on CPU (int8 weights per output channel, "
+                             "activations per token, oneDNN's int8 GEMM on VNNI/AMX); "
+                             "default: none")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA: no CUDA graphs for decode, no torch.compile")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -13,6 +13,7 @@ import msgspec
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "int8")
 FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -20,7 +21,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str                      # a local HF folder: config.json, *.safetensors, tokenizer
     architecture: str
-    dtype: str
+    dtype: str                     # or "auto": decided by the worker (workers/hardware.py)
     load_format: str               # "safetensors" | "dummy"
     vocab_size: int
     max_model_len: int
@@ -56,6 +57,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int               # torch intra-op threads per worker process
     device: str = "auto"           # "auto" -> cuda:rank when CUDA is available, else cpu
     enforce_eager: bool = False    # True: no CUDA graphs for decode steps
+    quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
 
 
 def cache_dir() -> str:
@@ -95,10 +97,8 @@ def _eos_token_ids(path: str, hf: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _resolve_dtype(dtype: str, hf: dict) -> str:
-    if dtype == "auto":
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if dtype not in DTYPES:
+def _check_dtype(dtype: str) -> str:
+    if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {('auto',) + DTYPES}")
     return dtype
 
@@ -120,7 +120,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     `None` and "auto" are decided by make_engine_config (or, for what needs the device, by the
     worker)."""
     tensor_parallel_size: int = 1
-    dtype: str = "auto"                   # auto: the checkpoint's
+    dtype: str = "auto"                   # auto: CPU: bfloat16 where native, else float32;
+    #                                       CUDA: the checkpoint's (workers/hardware.py)
     seed: int = 0                         # of unseeded sampling
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -134,6 +135,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
+    quantization: str | None = None       # "int8": W8A8 linears, CPU only
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
@@ -165,10 +167,15 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     if o.kv_cache_memory_gb is not None and o.kv_cache_memory_gb <= 0:
         raise ValueError(f"kv_cache_memory_gb={o.kv_cache_memory_gb} must be > 0")
     _check_execution(o.attention_backend, o.device, o.block_size, o.gpu_memory_utilization)
+    if o.quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")
+    if o.quantization == "int8" and o.device == "cuda":
+        raise ValueError("quantization='int8' runs on CPU (oneDNN's int8 GEMM), but "
+                         "device='cuda'")
     _check_tp(hf, o.tensor_parallel_size)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
-        dtype=_resolve_dtype(o.dtype, hf), load_format=o.load_format,
+        dtype=_check_dtype(o.dtype), load_format=o.load_format,
         vocab_size=int(hf["vocab_size"]), max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(model_path, hf), hf_config=hf)
     cache = CacheConfig(
@@ -182,7 +189,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
                                   max_num_batched_tokens=o.max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=o.tensor_parallel_size),
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
-        enforce_eager=bool(o.enforce_eager))
+        enforce_eager=bool(o.enforce_eager), quantization=o.quantization)
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

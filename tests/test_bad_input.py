@@ -44,6 +44,8 @@ def test_bad_prompts_raise_and_engine_keeps_working(llm: LLM) -> None:
         ([5] * 250, "max_tokens=8 exceeds max_model_len=256"),
         ([5, 49152], "token id 49152 is outside the vocabulary"),
         ([-1], "token id -1 is outside the vocabulary"),
+        ({"prompt_token_ids": [5]}, "prompt 1: a prompt is a string or a list of token ids"),
+        ([5, "x"], "prompt 1: a prompt is a string or a list of token ids"),
     ]
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -82,6 +84,8 @@ def test_model_folder_without_weights(default_model: str, tmp_path: os.PathLike)
     (dict(kv_cache_memory_gb=-1.0), "kv_cache_memory_gb=-1.0"),
     (dict(max_model_len=100_000), "max_model_len=100000 exceeds"),
     (dict(load_format="pickle"), "load_format='pickle'"),
+    (dict(quantization="int4"), "quantization='int4' must be one of"),
+    (dict(quantization="int8", device="cuda"), "quantization='int8' runs on CPU"),
 ])
 def test_bad_engine_arguments(default_model: str, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

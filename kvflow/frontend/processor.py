@@ -27,6 +27,10 @@ class InputProcessor:
         """A tracker for a valid request; ValueError naming the problem otherwise."""
         params.validate()
         text = prompt if isinstance(prompt, str) else None
+        if text is None and not (isinstance(prompt, (list, tuple))
+                                 and all(type(t) is int for t in prompt)):
+            raise ValueError(f"a prompt is a string or a list of token ids (ints), not "
+                            f"{type(prompt).__name__}: {str(prompt)[:80]}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         error = check_request(token_ids, params, max_model_len=self.config.model.max_model_len,
                               vocab_size=self.config.model.vocab_size,

@@ -1,5 +1,5 @@
 /* kvflow's CPU kernels (loaded by cpu_ops.py): paged attention, then the KV store, elementwise
- * ops and the sampler's argmax.
+ * ops, the sampler's argmax and the per-token quantization of int8 linears' inputs.
  *
  * Paged attention: every query row, decode or prefill, attends to its own causal context,
  * read straight from the paged cache. The torch path gathers every request's blocks into
@@ -437,6 +437,30 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {  
         out[r] = i;                                                                           \
     }                                                                                         \
 }
+
+/* Per-token (row) int8 quantization of a linear layer's input, for oneDNN's u8 x s8 GEMM
+ * (layers/linear.py, Int8Linear): scale = max|x| / 127 (1 for an all-zero row),
+ * q = round(x / scale) + 128 as uint8, so the zero point is 128 for every row and the
+ * per-row scale is applied to the GEMM's output. */
+#define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                   \
+void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales) { \
+    PARALLEL_IF(rows * n)                                                                     \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const T *xr = x + r * stride;                                                         \
+        uint8_t *o = out + r * n;                                                             \
+        float m = 0.0f;                                                                       \
+        _Pragma("omp simd reduction(max:m)")                                                  \
+        for (int64_t i = 0; i < n; i++) { const float v = fabsf(LOAD(xr[i])); m = v > m ? v : m; } \
+        const float scale = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / scale;                 \
+        scales[r] = scale;                                                                    \
+        _Pragma("omp simd")                                                                   \
+        for (int64_t i = 0; i < n; i++)                                                       \
+            o[i] = (uint8_t)(int32_t)(nearbyintf(LOAD(xr[i]) * inv) + 128.0f);                \
+    }                                                                                         \
+}
+
+DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, bf16_to_f32)
+DEFINE_QUANTIZE_ROWS(quantize_rows_f32, float, f32_to_f32)
 
 DEFINE_ARGMAX(argmax_bf16, uint16_t, uint16_t, key_bf16)
 DEFINE_ARGMAX(argmax_f32, float, uint32_t, key_f32)

@@ -1,7 +1,8 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
-the KV store, RMSNorm, SiLU-and-mul, rotary and the sampler's row argmax. Each has a torch
-reference it is tested against (the torch attention backend and store; layers/norm.py,
-models/llama.py, layers/rotary.py; torch.argmax).
+the KV store, RMSNorm, SiLU-and-mul, rotary, the sampler's row argmax and the per-token
+quantization of int8 linears' inputs. Each has a torch reference it is tested against (the
+torch attention backend and store; layers/norm.py, layers/activation.py, layers/rotary.py;
+torch.argmax; layers/linear.py's quantize_rows_ref).
 
 Why C: on CPU a decode step of a small model is hundreds of small torch calls; the attention
 alone was block gathers plus six tiny bmm calls per layer, and a prefill's SDPA call per
@@ -111,6 +112,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
         "argmax": (None, [ptr, i64, i64, i64, ptr]),
+        "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr]),
     }
     for op, (restype, argtypes) in signatures.items():
         for suffix in DTYPES.values():
@@ -187,6 +189,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     _fn("argmax", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, out.data_ptr())
     return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 quantization for Int8Linear (layers/linear.py): uint8 rows with zero point
+    128 and float32 scales [rows], x ~ (q - 128) * scale; `quantize_rows_ref` is the reference."""
+    n = x.shape[-1]
+    rows, stride = _rows(x, n)
+    q = torch.empty(rows.shape, dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32)
+    _fn("quantize_rows", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, q.data_ptr(),
+                                  scales.data_ptr())
+    return q, scales
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

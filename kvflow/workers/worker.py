@@ -18,6 +18,7 @@ import torch
 from kvflow.config import EngineConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
+from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.ops import Ops, choose_ops
 from kvflow.workers.layers.parallel import TPGroup
@@ -68,8 +69,12 @@ class Worker:
 
     def _place(self) -> tuple[torch.device, torch.dtype]:
         torch.set_num_threads(self.config.num_threads)
-        return resolve_device(self.config.device, self.tp.rank), getattr(
-            torch, self.config.model.dtype)
+        device = resolve_device(self.config.device, self.tp.rank)
+        dtype, why = resolve_dtype(self.config.model.dtype, device, self.config.model.hf_config)
+        if self.tp.rank == 0:
+            log = logger.warning if "scalar" in why else logger.info
+            log("dtype %s (%s)", DTYPE_NAMES[dtype], why)
+        return device, dtype
 
     def _choose_implementations(self) -> tuple[KVCache, Ops]:
         cfg, block_size = self.config, self.config.cache.block_size
@@ -79,7 +84,7 @@ class Worker:
                                                                        self.tp)
         backend = make_backend(name, block_size, num_kv_heads, head_dim, self.dtype,
                                self.device)
-        ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager)
+        ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager, cfg.quantization)
         return KVCache(backend, num_layers), ops
 
     def _build_model(self) -> LlamaForCausalLM:

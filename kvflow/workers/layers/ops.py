@@ -12,7 +12,8 @@ constructor and keeps it, so the model that runs is the one `models/llama.py` bu
   one call each instead of five to ten small torch ops, most of these ops' cost on CPU.
 
 On CPU, when this torch's oneDNN can, linear weights are packed once after loading into
-oneDNN's blocked layout (`layers/linear.py`), whatever the elementwise set.
+oneDNN's blocked layout (`layers/linear.py`), whatever the elementwise set; with
+quantization="int8" they are int8 instead (`Int8Linear`, W8A8).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Callable
 import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
-from kvflow.workers.layers.linear import LinearMethod, OneDnnLinear
+from kvflow.workers.layers.linear import (Int8Linear, LinearMethod, OneDnnLinear,
+                                          quantize_rows_ref)
 from kvflow.workers.layers.norm import rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.sampler import torch_argmax
@@ -49,15 +51,27 @@ def compiled_ops() -> Ops:
 
 
 def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
-               enforce_eager: bool) -> Ops:
+               enforce_eager: bool, quantization: str | None = None) -> Ops:
     """compiled on CUDA unless enforce_eager; C kernels on CPU with the `cpu` attention
     backend (its library is the one that built); else plain torch. On CPU the linear
-    weights are packed for oneDNN where this torch can."""
+    weights are packed for oneDNN where this torch can, or quantized with "int8"."""
     if device.type == "cuda":
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} runs on CPU only, but the "
+                             f"device is {device}")
         return TORCH_OPS if enforce_eager else compiled_ops()
-    linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
-    if attention_backend == "cpu":
+    c_kernels = attention_backend == "cpu"
+    if c_kernels:
         from kvflow.kernels import cpu_ops
+    if quantization == "int8":
+        why = Int8Linear.works()
+        if why is not None:
+            raise ValueError(f"quantization='int8' cannot run: {why}")
+        linear: LinearMethod = Int8Linear(cpu_ops.quantize_rows if c_kernels
+                                          else quantize_rows_ref)
+    else:
+        linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
+    if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.silu_and_mul, cpu_ops.apply_rotary,
                    cpu_ops.argmax, linear)
     return Ops("torch", rms_norm, silu_and_mul, apply_rotary, linear=linear)
