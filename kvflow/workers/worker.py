@@ -26,6 +26,7 @@ from kvflow.workers.loader import init_dummy, load_safetensors
 from kvflow.workers.model_runner import ModelRunner
 from kvflow.workers.models.llama import MODELS, LlamaForCausalLM
 from kvflow.workers.sampler import Sampler
+from kvflow.workers.smoothing import calibration_ids, input_absmax, smooth
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ class Worker:
             init_dummy(model, self.config.seed + self.tp.rank)
         else:
             load_safetensors(model, model_cfg.path)
+        if self.config.quantization == "int8":      # SmoothQuant before quantizing
+            pairs = model.smoothing_pairs()
+            ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)
+            smooth(pairs, input_absmax(model, self.kv_cache, [p.consumer for p in pairs], ids))
         model.finish_loading()
         return model.eval()
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.workers.layers.linear import LinearMethod
+from kvflow.workers.layers.linear import LinearMethod, scaled_weight
 from kvflow.workers.layers.parallel import TPGroup, narrow
 
 
@@ -49,12 +49,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.method = method
         self.tied = tied
 
+    input_scale: torch.Tensor | None = None      # as PreparedLinear's (layers/linear.py)
+
     def finish_loading(self) -> None:
-        self.prepared = self.method.prepare(self.weight.data)
+        self.prepared = self.method.prepare(scaled_weight(self.weight.data, self.input_scale))
         if self.prepared is not None and not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self(hidden)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:   # type: ignore[override]
+        """Logits of `hidden` (not an embedding lookup): a module call, so forward hooks
+        (SmoothQuant's calibration) see the LM head's input like any linear's."""
         local = self.method.apply(hidden, self.weight, self.prepared)  # [tokens, vocab/rank]
         logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[:, :self.vocab_size]

@@ -102,7 +102,8 @@ class Int8Linear(LinearMethod):
     time (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's
     u8 x s8 int8 GEMM (VNNI, AMX where the CPU has them) into the model dtype; each output row
     is then scaled by its token's scale. Same results as the float layer within int8 rounding
-    (tests/test_int8.py)."""
+    (tests/test_int8.py). Until `finish_loading` it multiplies by the float weight (the
+    SmoothQuant calibration pass runs then)."""
     name = "int8"
 
     def __init__(self, quantize_rows: Callable[[torch.Tensor],
@@ -117,6 +118,8 @@ class Int8Linear(LinearMethod):
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if prepared is None:                     # before finish_loading: the float weight
+            return F.linear(x, weight, bias)
         shape = x.shape
         q, x_scales = self.quantize_rows(x)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,
@@ -146,6 +149,10 @@ class Int8Linear(LinearMethod):
         return None
 
 
+def scaled_weight(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    return weight if input_scale is None else weight.float() * input_scale
+
+
 class PreparedLinear(nn.Module):
     """A weight multiplied by its `LinearMethod`; `finish_loading` prepares it once."""
     weight: nn.Parameter
@@ -156,8 +163,12 @@ class PreparedLinear(nn.Module):
         super().__init__()
         self.method = method
 
+    # Per input feature: the weight is prepared as W * input_scale, its input having been
+    # divided by the same upstream (SmoothQuant, workers/smoothing.py).
+    input_scale: torch.Tensor | None = None
+
     def finish_loading(self) -> None:
-        self.prepared = self.method.prepare(self.weight.data)
+        self.prepared = self.method.prepare(scaled_weight(self.weight.data, self.input_scale))
         if self.prepared is not None and self.free_plain_weight:
             self.weight.data = self.weight.data.new_empty(0)   # only the prepared copy is used
 

@@ -8,7 +8,7 @@ are loaded, `finish_loading` lets each linear layer prepare its weight (e.g. one
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from kvflow.workers.layers.norm import RMSNorm
 from kvflow.workers.layers.ops import Ops
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.layers.rotary import RotaryEmbedding
+from kvflow.workers.smoothing import SmoothPair
 
 
 def head_dim_of(cfg: dict) -> int:
@@ -144,6 +145,28 @@ class LlamaForCausalLM(nn.Module):
                                             tp)
         return cfg["num_hidden_layers"], num_kv_heads, head_dim_of(cfg)
 
+    def smoothing_pairs(self) -> list[SmoothPair]:
+        """Where SmoothQuant can fold a scale into what makes a linear's input
+        (workers/smoothing.py): the norms before q/k/v, gate/up and the LM head; v's rows
+        before o_proj (per KV head, shared by its query heads); up's rows before down_proj."""
+        pairs = []
+        for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, d = attn.qkv_proj, attn.head_dim
+            group = attn.num_heads // attn.num_kv_heads
+            heads = torch.arange(attn.num_heads * d) // d
+            v_row = (heads // group) * d + torch.arange(attn.num_heads * d) % d
+            v_start = (attn.num_heads + attn.num_kv_heads) * d
+            n_up = mlp.gate_up_proj.out_sizes[1] // mlp.gate_up_proj.tp.size
+            pairs += [
+                SmoothPair(qkv, layer.input_layernorm.weight.data, None, 0),
+                SmoothPair(attn.o_proj, qkv.weight.data, _data(qkv.bias), v_start, v_row),
+                SmoothPair(mlp.gate_up_proj, layer.post_attention_layernorm.weight.data, None, 0),
+                SmoothPair(mlp.down_proj, mlp.gate_up_proj.weight.data,
+                           _data(mlp.gate_up_proj.bias), n_up)]
+        pairs.append(SmoothPair(self.lm_head, self.model.norm.weight.data, None, 0))
+        return pairs
+
     def finish_loading(self) -> int:
         """Each linear layer prepares its loaded weight for its method; returns how many."""
         layers = [m for m in self.modules() if hasattr(m, "finish_loading") and m is not self]
@@ -168,6 +191,10 @@ class LlamaForCausalLM(nn.Module):
             if f".{ckpt}." in name:
                 return name.replace(f".{ckpt}.", f".{ours}."), shard_id
         return name, None
+
+
+def _data(param: nn.Parameter | None) -> torch.Tensor | None:
+    return None if param is None else param.data
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

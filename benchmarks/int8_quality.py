@@ -1,0 +1,129 @@
+"""How close quantization="int8" (W8A8) stays to float32 on the default model.
+
+For each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 with
+float32 or bfloat16 activations; int8 without SmoothQuant, workers/smoothing.py) is compared
+with float32 in two ways:
+- teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
+  whether the variant's argmax is float32's token, and |logprob difference| of that token;
+- free-running: the variant's own greedy tokens; how many equal float32's before the first
+  divergence.
+
+    python benchmarks/int8_quality.py [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvflow import LLM, SamplingParams                                    # noqa: E402
+from kvflow.config import make_engine_config                              # noqa: E402
+from kvflow.frontend.model_files import ensure_default_model              # noqa: E402
+from kvflow.workers.attention import SeqSpan                              # noqa: E402
+from kvflow.workers.hardware import cpu_flags, cpu_model                  # noqa: E402
+from kvflow.workers.models.llama import LlamaForCausalLM                  # noqa: E402
+from kvflow.workers.worker import Worker                                  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def quicksort(items):\n",
+    "Explain in one paragraph why the sky is blue.",
+    "1, 2, 3, 5, 8, 13, 21,",
+    "The three most important inventions of the twentieth century are",
+    "Translate to French: The weather is lovely today and we are going to the beach.",
+    "A recipe for pancakes:\n1.",
+    "Once upon a time, a small robot woke up in an empty library and",
+    "SELECT name, COUNT(*) FROM orders",
+]
+VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
+            "int8, no SmoothQuant": dict(dtype="float32", quantization="int8"),
+            "int8 (float32 activations)": dict(dtype="float32", quantization="int8"),
+            "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8")}
+
+
+@dataclass
+class Quality:
+    top1: float            # teacher-forced argmax agreement
+    mean_abs_dlogprob: float
+    free_prefix: float     # mean share of tokens equal before the first divergence
+
+
+@torch.inference_mode()
+def log_probs(worker: Worker, ids: list[int]) -> torch.Tensor:
+    """log_softmax of every position's logits, one prefill pass."""
+    n, block_size = len(ids), worker.backend.block_size
+    blocks = np.arange(-(-n // block_size))
+    worker.kv_cache.allocate(len(blocks))
+    pos = np.arange(n)
+    meta = worker.backend.build_metadata(blocks[pos // block_size] * block_size
+                                         + pos % block_size, [], [SeqSpan(0, n, n, blocks)])
+    hidden = worker.model(torch.tensor(ids), torch.tensor(pos), meta)
+    logits = worker.model.compute_logits(hidden)
+    assert logits is not None
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def generate(path: str, prompts: list[list[int]], max_tokens: int, **options: object
+             ) -> list[list[int]]:
+    with LLM(path, kv_cache_memory_gb=0.2, in_process=True,
+             **options) as llm:                                         # type: ignore[arg-type]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                    ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+smoothing_pairs = LlamaForCausalLM.smoothing_pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = ensure_default_model()
+    flags = cpu_flags()
+    print(f"CPU: {cpu_model()}; " + ", ".join(
+        f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+        if f in flags))
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    reference = generate(path, prompts, args.max_tokens, dtype="float32")
+    base = Worker(make_engine_config(path, dtype="float32", kv_cache_memory_gb=0.05,
+                                     device="cpu"))
+    sequences = [p + r for p, r in zip(prompts, reference)]
+    ref_lp = [log_probs(base, s) for s in sequences]
+    print(f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens, against float32:")
+    print(f"{'variant':30s} {'top-1 agree':>12s} {'mean |dlogprob|':>16s} "
+          f"{'free-run prefix':>16s}")
+    for name, options in VARIANTS.items():
+        no_smoothing = "no SmoothQuant" in name
+        LlamaForCausalLM.smoothing_pairs = (                  # type: ignore[method-assign]
+            (lambda self: []) if no_smoothing else smoothing_pairs)
+        worker = Worker(make_engine_config(path, kv_cache_memory_gb=0.05, device="cpu",
+                                           **options))           # type: ignore[arg-type]
+        agree, diffs = [], []
+        for prompt, seq, lp in zip(prompts, sequences, ref_lp):
+            ours = log_probs(worker, seq)
+            rows = torch.arange(len(prompt) - 1, len(seq) - 1)     # predicting the outputs
+            chosen = torch.tensor(seq[len(prompt):])
+            agree.append((ours[rows].argmax(-1) == chosen).float())
+            diffs.append((ours[rows, chosen] - lp[rows, chosen]).abs())
+        free = generate(path, prompts, args.max_tokens, **options)
+        prefix = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r)) / len(r)
+                  for f, r in zip(free, reference)]
+        q = Quality(float(torch.cat(agree).mean()), float(torch.cat(diffs).mean()),
+                    float(np.mean(prefix)))
+        print(f"{name:30s} {q.top1:12.3f} {q.mean_abs_dlogprob:16.4f} {q.free_prefix:16.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""quantization="int8" (W8A8, layers/linear.py Int8Linear): the per-token quantization kernel
+against its torch reference, the int8 linear against the float linear, and the default model
+end to end against HF transformers in float32 under docs/design.md §4's top-5 rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_reference import assert_greedy_match, hf_greedy
+from kvflow import LLM, SamplingParams
+from kvflow.kernels import cpu_ops
+from kvflow.workers.layers.linear import Int8Linear, quantize_rows_ref, quantize_weight
+
+pytestmark = pytest.mark.skipif(Int8Linear.works() is not None,
+                                reason=f"oneDNN int8 GEMM unavailable: {Int8Linear.works()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 3 * 576, generator=gen) * 3).to(dtype)[:, :1000]   # strided rows
+    x[5] = 0                                                               # a zero row
+    q, scales = cpu_ops.quantize_rows(x)
+    q_ref, scales_ref = quantize_rows_ref(x)
+    torch.testing.assert_close(scales, scales_ref, rtol=1e-6, atol=0)
+    assert scales[5] == 1.0 and bool((q[5] == 128).all())
+    # Only values within rounding of a half step may round the other way (-ffast-math's
+    # reciprocal; bf16 inputs land near halves more often): by one, rarely.
+    diff = (q.int() - q_ref.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= x.numel() // 1000
+    # Dequantized, every row is within half a step of x.
+    back = (q.float() - 128) * scales.unsqueeze(1)
+    assert bool(((back - x.float()).abs() <= scales.unsqueeze(1) * 0.5 + 1e-6).all())
+
+
+@pytest.mark.parametrize("quantize", [cpu_ops.quantize_rows, quantize_rows_ref])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_int8_linear_matches_the_float_linear(quantize, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                              num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    w = torch.randn(960, 576, generator=gen) * 0.05
+    x = torch.randn(num_tokens, 576, generator=gen)
+    bias = torch.randn(960, generator=gen)
+    method = Int8Linear(quantize)
+    got = method.apply(x.to(dtype), w, method.prepare(w.to(dtype)), bias.to(dtype))
+    assert got.dtype == dtype and got.shape == (num_tokens, 960)
+    ref = F.linear(x, w, bias)
+    # The exact product of the quantized operands: what oneDNN must return (up to the output
+    # rounding to `dtype`).
+    qw, w_scales = quantize_weight(w.to(dtype))
+    qx, x_scales = quantize_rows_ref(x.to(dtype))
+    exact = ((qx.float() - 128) @ qw.float().t()) * x_scales[:, None] * w_scales + bias
+    out_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), exact, rtol=out_tol, atol=out_tol)
+    # Against the float layer: int8 rounding of both operands, ~1% of the output's scale.
+    err = (got.float() - ref).abs().max() / ref.abs().max()
+    assert float(err) < 0.03, float(err)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
+           "Write a haiku about the sea.", "1, 2, 3, 5, 8, 13, 21,"]
+
+
+def test_default_model_int8_tracks_float32_hf(default_model: str) -> None:
+    """Greedy int8 tokens equal HF float32's up to the first divergence, and there each
+    side's token is in the other's top-5; int8 keeps most tokens of the float model."""
+    max_tokens = 16
+    with LLM(default_model, quantization="int8", dtype="float32", kv_cache_memory_gb=0.1) as llm:
+        prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+        outs = llm.generate(prompts,
+                            SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5,
+                                           ignore_eos=True))
+    refs = hf_greedy(default_model, prompts, max_tokens)
+    exact = 0
+    for out, ref in zip(outs, refs):
+        assert out.logprobs is not None
+        exact += assert_greedy_match(out.token_ids, out.logprobs, ref)
+    assert exact >= 0.5 * len(PROMPTS) * max_tokens, exact
+
+
+@pytest.mark.parametrize("arch", ["default", "qwen2"])
+def test_smoothing_folds_exactly(default_model: str, tmp_path, arch: str,  # type: ignore[no-untyped-def]
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmoothQuant only moves scale between a linear's input and its weight: in float32, the
+    folded producers (norms, v rows with GQA sharing, up rows, biases) times the consumers'
+    input_scale give the same logits as the original model."""
+    import numpy as np
+    from kvflow.config import make_engine_config
+    from kvflow.workers.attention import SeqSpan
+    from kvflow.workers.smoothing import calibration_ids, input_absmax, smooth
+    from kvflow.workers.worker import Worker
+    from kvflow.workers.layers.linear import OneDnnLinear
+    from model_helpers import make_tiny_model
+    monkeypatch.setattr(OneDnnLinear, "works", classmethod(lambda cls, dtype: False))
+    path = default_model if arch == "default" else make_tiny_model(
+        default_model, str(tmp_path), "qwen2", num_attention_heads=6, num_key_value_heads=2,
+        hidden_size=96)
+    worker = Worker(make_engine_config(path, dtype="float32", kv_cache_memory_gb=0.02,
+                                       device="cpu", attention_backend="torch"))
+    model = worker.model
+    ids = calibration_ids(path, 49152)[:40]
+    n, bs = len(ids), worker.backend.block_size
+    blocks, pos = np.arange(-(-n // bs)), np.arange(n)
+    meta = worker.backend.build_metadata(blocks[pos // bs] * bs + pos % bs, [],
+                                         [SeqSpan(0, n, n, blocks)])
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            out = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
+        assert out is not None
+        return out
+
+    before = logits()
+    pairs = model.smoothing_pairs()
+    absmax = input_absmax(model, worker.kv_cache, [p.consumer for p in pairs], ids)
+    smooth(pairs, absmax)
+    worker.kv_cache.allocate(worker.num_blocks)
+    scales = [p.consumer.input_scale for p in pairs]
+    assert all(s is not None and not torch.allclose(s, torch.ones_like(s)) for s in scales)
+    for pair in pairs:                       # what Int8Linear.prepare would be given
+        weight = pair.consumer.weight
+        if pair.consumer is model.lm_head:   # tied to the embedding: scale a copy
+            pair.consumer.weight = torch.nn.Parameter(weight.data * pair.consumer.input_scale,
+                                                      requires_grad=False)
+        else:
+            weight.data.mul_(pair.consumer.input_scale)
+    torch.testing.assert_close(logits(), before, rtol=1e-4, atol=1e-3)
