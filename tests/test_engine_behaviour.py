@@ -7,6 +7,9 @@ import pytest
 from kvflow import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# Exact equality across schedules (chunks, preemption, cache hits) is a float32 promise;
+# dtype="auto" would be bfloat16 on CPUs with AVX512-BF16 and float32 elsewhere.
+DTYPE = "float32"
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
     "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n",
@@ -17,13 +20,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference(default_model: str) -> list[list[int]]:
-    with LLM(default_model, kv_cache_memory_gb=0.3, enable_prefix_caching=False) as llm:
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3,
+             enable_prefix_caching=False) as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def test_prefix_caching_same_outputs_and_exact_hits(default_model: str,
                                                     reference: list[list[int]]) -> None:
-    with LLM(default_model, kv_cache_memory_gb=0.3, block_size=16) as llm:
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3, block_size=16) as llm:
         shared = llm.tokenizer.encode(PROMPTS[0])          # > 3 full blocks of 16
         first = llm.generate([shared + [504, 2988]], GREEDY, use_tqdm=False)[0]
         second = llm.generate([shared + [1147, 314, 260]], GREEDY, use_tqdm=False)[0]
@@ -41,7 +45,7 @@ def test_forced_preemption_same_outputs(default_model: str, reference: list[list
     # Bytes per 16-token block of the default model in float32: 30 layers * K,V * 16 tokens
     # * 3 KV heads * 64 dims * 4 bytes = 737,280. 10 blocks hold every request alone but not all four together.
     kv_gb = 10 * 737_280 / 2**30
-    with LLM(default_model, kv_cache_memory_gb=kv_gb, dtype="float32") as llm:
+    with LLM(default_model, kv_cache_memory_gb=kv_gb, dtype=DTYPE) as llm:
         assert llm.engine is not None and llm.engine.num_blocks == 10
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
@@ -50,14 +54,14 @@ def test_forced_preemption_same_outputs(default_model: str, reference: list[list
 
 
 def test_forced_chunking_same_outputs(default_model: str, reference: list[list[int]]) -> None:
-    with LLM(default_model, kv_cache_memory_gb=0.3, max_num_batched_tokens=7,
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3, max_num_batched_tokens=7,
              enable_prefix_caching=False) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
 
 
 def test_stop_conditions(default_model: str, reference: list[list[int]]) -> None:
-    with LLM(default_model, kv_cache_memory_gb=0.3) as llm:
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3) as llm:
         ref = reference[2]
         stop_id = ref[5]
         out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24,
@@ -79,7 +83,7 @@ def test_seeded_sampling_independent_of_batch(default_model: str) -> None:
     seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, seed=1234,
                             ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    with LLM(default_model, kv_cache_memory_gb=0.3) as llm:
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3) as llm:
         alone = llm.generate(PROMPTS[3], seeded, use_tqdm=False)[0]
         mixed = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]], [other, seeded, other],
                              use_tqdm=False)[1]

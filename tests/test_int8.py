@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hf_reference import assert_greedy_match, hf_greedy
 from kvflow import LLM, SamplingParams
 from kvflow.kernels import cpu_ops
-from kvflow.workers.layers.linear import Int8Linear, quantize_rows_ref, quantize_weight
+from kvflow.workers.layers.linear import (Int8Linear, quantize_rows_ref, quantize_weight,
+                                          scale_rows_ref)
 
 pytestmark = pytest.mark.skipif(Int8Linear.works() is not None,
                                 reason=f"oneDNN int8 GEMM unavailable: {Int8Linear.works()}")
@@ -34,16 +35,32 @@ def test_quantize_rows_kernel_matches_reference(dtype: torch.dtype) -> None:
     assert bool(((back - x.float()).abs() <= scales.unsqueeze(1) * 0.5 + 1e-6).all())
 
 
-@pytest.mark.parametrize("quantize", [cpu_ops.quantize_rows, quantize_rows_ref])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_rows_kernel_matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    y, scales = torch.randn(9, 300, generator=gen) * 50, torch.rand(9, generator=gen)
+    bias = torch.randn(300, generator=gen) if with_bias else None
+    expected = scale_rows_ref(y, scales, bias, dtype)
+    got = cpu_ops.scale_rows(y.clone(), scales, bias, dtype)
+    assert got.dtype == dtype
+    # One rounding to dtype in both; float32 may differ by the fused multiply-add's last bit.
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+
+
+KERNELS = [(cpu_ops.quantize_rows, cpu_ops.scale_rows), (quantize_rows_ref, scale_rows_ref)]
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=["c", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_int8_linear_matches_the_float_linear(quantize, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # type: ignore[no-untyped-def]
                                               num_tokens: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     w = torch.randn(960, 576, generator=gen) * 0.05
     x = torch.randn(num_tokens, 576, generator=gen)
     bias = torch.randn(960, generator=gen)
-    method = Int8Linear(quantize)
+    method = Int8Linear(*kernels)
     got = method.apply(x.to(dtype), w, method.prepare(w.to(dtype)), bias.to(dtype))
     assert got.dtype == dtype and got.shape == (num_tokens, 960)
     ref = F.linear(x, w, bias)

@@ -462,6 +462,28 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, flo
 DEFINE_QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, bf16_to_f32)
 DEFINE_QUANTIZE_ROWS(quantize_rows_f32, float, f32_to_f32)
 
+/* The int8 GEMM's float32 rows times each token's scale, plus the bias (float32, or NULL),
+ * rounded once into the model dtype: out = cast(y * scales[r] + bias). */
+#define DEFINE_SCALE_ROWS(NAME, T, STORE)                                                     \
+void NAME(const float *y, int64_t rows, int64_t n, const float *scales, const float *bias,   \
+          T *out) {                                                                           \
+    PARALLEL_IF(rows * n)                                                                     \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const float *yr = y + r * n, s = scales[r];                                           \
+        T *o = out + r * n;                                                                   \
+        if (bias) {                                                                           \
+            _Pragma("omp simd")                                                               \
+            for (int64_t i = 0; i < n; i++) o[i] = STORE(yr[i] * s + bias[i]);                \
+        } else {                                                                              \
+            _Pragma("omp simd")                                                               \
+            for (int64_t i = 0; i < n; i++) o[i] = STORE(yr[i] * s);                          \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+DEFINE_SCALE_ROWS(scale_rows_bf16, uint16_t, f32_to_bf16)
+DEFINE_SCALE_ROWS(scale_rows_f32, float, f32_to_f32)
+
 DEFINE_ARGMAX(argmax_bf16, uint16_t, uint16_t, key_bf16)
 DEFINE_ARGMAX(argmax_f32, float, uint32_t, key_f32)
 

@@ -1,8 +1,8 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
-the KV store, RMSNorm, SiLU-and-mul, rotary, the sampler's row argmax and the per-token
-quantization of int8 linears' inputs. Each has a torch reference it is tested against (the
-torch attention backend and store; layers/norm.py, layers/activation.py, layers/rotary.py;
-torch.argmax; layers/linear.py's quantize_rows_ref).
+the KV store, RMSNorm, SiLU-and-mul, rotary, the sampler's row argmax and the int8 linears'
+per-token quantization and output scaling. Each has a torch reference it is tested against
+(the torch attention backend and store; layers/norm.py, layers/activation.py,
+layers/rotary.py; torch.argmax; layers/linear.py's quantize_rows_ref and scale_rows_ref).
 
 Why C: on CPU a decode step of a small model is hundreds of small torch calls; the attention
 alone was block gathers plus six tiny bmm calls per layer, and a prefill's SDPA call per
@@ -113,6 +113,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
         "argmax": (None, [ptr, i64, i64, i64, ptr]),
         "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr]),
+        "scale_rows": (None, [ptr, i64, i64, ptr, ptr, ptr]),
     }
     for op, (restype, argtypes) in signatures.items():
         for suffix in DTYPES.values():
@@ -201,6 +202,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _fn("quantize_rows", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, q.data_ptr(),
                                   scales.data_ptr())
     return q, scales
+
+
+def scale_rows(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Int8Linear's output: float32 rows y [rows, n] times scales [rows], plus the float32
+    bias, rounded once to `dtype`; `scale_rows_ref` (layers/linear.py) is the reference."""
+    assert y.dtype == scales.dtype == torch.float32 and y.is_contiguous() and y.dim() == 2
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    out = y if dtype == torch.float32 else torch.empty(y.shape, dtype=dtype)
+    _fn("scale_rows", dtype)(y.data_ptr(), y.shape[0], y.shape[1], scales.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -82,6 +82,14 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.uint8), scales
 
 
+def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The int8 GEMM's float32 output times each row's token scale, plus the float32 bias,
+    rounded once to `dtype` (reference of kernels/cpu_ops.py scale_rows)."""
+    y = y * scales.unsqueeze(1)
+    return (y if bias is None else y + bias).to(dtype)
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 per output channel (row), symmetric: W ~ q * scale[:, None]."""
     w = weight.float()
@@ -101,15 +109,19 @@ class Int8Linear(LinearMethod):
     """W8A8 on CPU: int8 weights per output channel, activations quantized per token at run
     time (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's
     u8 x s8 int8 GEMM (VNNI, AMX where the CPU has them) into the model dtype; each output row
-    is then scaled by its token's scale. Same results as the float layer within int8 rounding
+    is then scaled by its token's scale (`scale_rows`, which also adds the bias and rounds
+    once to the model dtype). Same results as the float layer within int8 rounding
     (tests/test_int8.py). Until `finish_loading` it multiplies by the float weight (the
     SmoothQuant calibration pass runs then)."""
     name = "int8"
 
     def __init__(self, quantize_rows: Callable[[torch.Tensor],
                                                tuple[torch.Tensor, torch.Tensor]]
-                 = quantize_rows_ref) -> None:
+                 = quantize_rows_ref,
+                 scale_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                       torch.dtype], torch.Tensor] = scale_rows_ref) -> None:
         self.quantize_rows = quantize_rows
+        self.scale_rows = scale_rows
 
     def prepare(self, weight: torch.Tensor) -> Int8Weight:
         q, scales = quantize_weight(weight)
@@ -123,11 +135,9 @@ class Int8Linear(LinearMethod):
         shape = x.shape
         q, x_scales = self.quantize_rows(x)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,
-                                               prepared.zero_points, None, 1.0, 0, x.dtype,
-                                               "none", [None], "")
-        y.mul_(x_scales.unsqueeze(1))
-        if bias is not None:
-            y.add_(bias)
+                                               prepared.zero_points, None, 1.0, 0,
+                                               torch.float32, "none", [None], "")
+        y = self.scale_rows(y, x_scales, None if bias is None else bias.float(), x.dtype)
         return y.view(shape[:-1] + (y.shape[-1],))
 
     @classmethod

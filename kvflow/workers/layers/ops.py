@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
-from kvflow.workers.layers.linear import (Int8Linear, LinearMethod, OneDnnLinear,
-                                          quantize_rows_ref)
+from kvflow.workers.layers.linear import Int8Linear, LinearMethod, OneDnnLinear
 from kvflow.workers.layers.norm import rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.sampler import torch_argmax
@@ -67,8 +66,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         why = Int8Linear.works()
         if why is not None:
             raise ValueError(f"quantization='int8' cannot run: {why}")
-        linear: LinearMethod = Int8Linear(cpu_ops.quantize_rows if c_kernels
-                                          else quantize_rows_ref)
+        linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)
+                                if c_kernels else Int8Linear())
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
     if c_kernels:
