@@ -8,7 +8,7 @@ Three measurements, each with its baseline in the same run:
   of the paged kernel) against `torch` (one SDPA call per request);
 - the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
 
-    python benchmarks/cpu_kernels.py --batch 64 --context 400
+    python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32] [--isa avx2]
 """
 from __future__ import annotations
 
@@ -55,13 +55,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=15, help="prefill: prompts 32..256")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--isa", default="native", choices=list(cpu_ops.ISA_FLAGS),
+                        help="build the kernels for this CPU less AVX512-BF16 (avx512) or "
+                             "less AVX-512 (avx2): the code other CPUs run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_ops.library() is None:
         raise SystemExit(f"the C kernels did not build: {cpu_ops.build_error()}")
+    if args.isa != "native":
+        cpu_ops._state["lib"] = cpu_ops.load_isa(args.isa)
     rng = np.random.default_rng(0)
-    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64          # SmolLM2-135M, bf16
-    dtype, scale = torch.bfloat16, head_dim ** -0.5
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64          # SmolLM2-135M
+    dtype, scale = getattr(torch, args.dtype), head_dim ** -0.5
     backends = {"cpu": CpuBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu")),
                 "torch": TorchBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu"))}
 
@@ -69,12 +75,12 @@ def main() -> None:
     num_blocks = sum(-(-c // block_size) for c in contexts) * 5 // 4
     caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(dtype) for _ in range(2)]
               for _ in range(args.layers)]          # a cache per layer: more than the L3 holds
-    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * 2 * args.layers
+    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * dtype.itemsize * args.layers
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     slots = np.zeros(args.batch, dtype=np.int64)
     print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "
-          f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), bf16, "
-          f"{args.threads} threads")
+          f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), {args.dtype}, "
+          f"kernels built for {args.isa}, {args.threads} threads")
     for placement in ("runs", "scattered"):
         spans = spans_for(contexts, [1] * args.batch, block_size, num_blocks, placement, rng)
         result = {}
@@ -102,7 +108,7 @@ def main() -> None:
     logits = torch.randn(args.batch, 49152).to(dtype)
     ours = timed(lambda: cpu_ops.argmax(logits), args.repeats * 3)
     theirs = timed(lambda: logits.float().argmax(dim=-1), args.repeats * 3)
-    print(f"greedy argmax [{args.batch}, 49152] bf16: C {1e3 * ours:.3f} ms, torch (float32 "
+    print(f"greedy argmax [{args.batch}, 49152] {args.dtype}: C {1e3 * ours:.3f} ms, torch (float32 "
           f"copy + argmax) {1e3 * theirs:.3f} ms: {theirs / ours:.1f}x")
 
 

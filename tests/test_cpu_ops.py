@@ -49,17 +49,6 @@ def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_bloc
     return spans
 
 
-@pytest.fixture(params=["native", "portable"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test twice: on the library as built for this CPU (its AVX-512 BF16 decode path
-    where the CPU has one), and on a build without it (-DKVFLOW_NO_AVX512), the C code every
-    other CPU runs."""
-    if request.param == "portable":
-        lib = cpu_ops._load(cpu_ops._build(("-DKVFLOW_NO_AVX512",)))
-        monkeypatch.setattr(cpu_ops, "_state", {"lib": lib})
-    return str(request.param)
-
-
 # Head shapes: SmolLM2's (9, 3, 64); head_dim 96 ends on half an accumulator tile and group 5
 # spans two tiles of query heads in the AVX-512 path; 48 and 16 are not multiples of 32.
 HEAD_SHAPES = [(9, 3, 64), (4, 4, 128), (10, 2, 96), (8, 2, 48), (6, 1, 16)]
@@ -128,7 +117,8 @@ def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (300, 576), (7, 40)])
-def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
+def test_rms_norm_matches_torch(kernels: str, dtype: torch.dtype, rows: int,
+                                hidden: int) -> None:
     wide = torch.randn(rows, hidden + 8).to(dtype) * 3
     x = wide[:, 4:4 + hidden]                        # strided rows
     weight = (torch.rand(hidden) + 0.5).to(dtype)
@@ -136,7 +126,7 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, hidden: int) -> N
                                **TOL[dtype])
 
 
-def test_rms_norm_per_head_3d() -> None:
+def test_rms_norm_per_head_3d(kernels: str) -> None:
     """Qwen3's q/k norms: a [tokens, heads, head_dim] view of the fused qkv output."""
     qkv = torch.randn(5, 16 * 12).to(torch.bfloat16)
     q = qkv[:, :8 * 16].view(5, 8, 16)
@@ -148,14 +138,15 @@ def test_rms_norm_per_head_3d() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (3, 24)])
-def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> None:
+def test_silu_and_mul_matches_torch(kernels: str, dtype: torch.dtype, rows: int,
+                                    inter: int) -> None:
     x = (torch.randn(rows, 2 * inter) * 4).to(dtype)
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), silu_and_mul(x), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 32])
-def test_rotary_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
+def test_rotary_matches_torch(kernels: str, dtype: torch.dtype, head_dim: int) -> None:
     rotary = RotaryEmbedding({"rope_theta": 10000.0}, head_dim, 512)
     heads, kv_heads, tokens = 9, 3, 11
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
@@ -170,7 +161,7 @@ def test_rotary_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 700])
-def test_store_kv_matches_torch(dtype: torch.dtype, num_tokens: int) -> None:
+def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, num_tokens: int) -> None:
     """K and V as the model hands them over: strided views of the fused qkv output."""
     heads, kv_heads, d, num_slots = 9, 3, 64, 1024
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d).to(dtype)
@@ -211,7 +202,7 @@ def test_kernels_refuse_indices_outside_their_tensors() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_matches_torch(dtype: torch.dtype) -> None:
+def test_argmax_matches_torch(kernels: str, dtype: torch.dtype) -> None:
     """Greedy sampling's argmax: first index of the max, ties across and inside the 256-wide
     chunks the kernel reduces, a max in a short last chunk, strided rows, one-element rows."""
     x = torch.randn(6, 49152 + 3).to(dtype)

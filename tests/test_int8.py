@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(Int8Linear.works() is not None,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows_kernel_matches_reference(dtype: torch.dtype) -> None:
+def test_quantize_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 3 * 576, generator=gen) * 3).to(dtype)[:, :1000]   # strided rows
     x[5] = 0                                                               # a zero row
@@ -37,7 +37,8 @@ def test_quantize_rows_kernel_matches_reference(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_scale_rows_kernel_matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
+def test_scale_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype,
+                                            with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     y, scales = torch.randn(9, 300, generator=gen) * 50, torch.rand(9, generator=gen)
     bias = torch.randn(300, generator=gen) if with_bias else None

@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(KVFLOW_NO_AVX512)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* --- AVX-512 BF16 path (bf16 cache, head_dim a multiple of 32) ------------------------------
  * Scores: vdpbf16ps multiplies bf16 pairs exactly and sums them in float32, so q and K stay in
  * bf16 and no K row is converted. Sixteen keys are scored at a time and their sixteen partial

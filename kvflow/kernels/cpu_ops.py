@@ -74,9 +74,19 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+# Builds for less than this CPU has, so that every machine can test (and time) the code that
+# CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those.
+ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",)}
+
+
+def load_isa(isa: str) -> ctypes.CDLL:
+    """The library built for this CPU less what `isa` leaves out (ISA_FLAGS); for tests and
+    benchmarks (set it as `_state["lib"]`)."""
+    return _load(_build(ISA_FLAGS[isa]))
+
+
 def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile (or find the cached build of) the library; extra_flags: e.g. the tests'
-    -DKVFLOW_NO_AVX512, which builds the portable code paths on any CPU."""
+    """Compile (or find the cached build of) the library; extra_flags: e.g. ISA_FLAGS'."""
     flags = FLAGS + list(extra_flags)
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
