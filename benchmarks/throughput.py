@@ -26,6 +26,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--quantization", default=None, choices=["int8"])
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -43,7 +44,8 @@ def make_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]
 def run_kvflow(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int]) -> float:
     from kvflow import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              max_num_seqs=args.num_requests, load_format=args.load_format, in_process=True)
+              max_num_seqs=args.num_requests, load_format=args.load_format, in_process=True,
+              quantization=args.quantization)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
     core, runner = llm.engine.core, llm.engine.worker.runner
