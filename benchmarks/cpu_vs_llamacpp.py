@@ -33,10 +33,11 @@ KVFLOW = {"kvflow-auto": dict(dtype="auto"), "kvflow-float32": dict(dtype="float
           "kvflow-bfloat16": dict(dtype="bfloat16"),
           "kvflow-int8": dict(dtype="auto", quantization="int8")}
 LLAMACPP = ["llamacpp-F32", "llamacpp-BF16", "llamacpp-F16", "llamacpp-Q8_0"]
-# The matmul kind whose speed bounds each engine's run (llama.cpp's Q8_0 dot products are int8).
+# The matmul kind whose speed bounds each engine's run (llama.cpp's Q8_0 dot products are int8;
+# without AVX512-FP16 it converts F16 weights and computes in float32).
 FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
               "kvflow-int8": "int8", "llamacpp-F32": "float32", "llamacpp-BF16": "bfloat16",
-              "llamacpp-F16": "float16", "llamacpp-Q8_0": "int8"}
+              "llamacpp-F16": "float32", "llamacpp-Q8_0": "int8"}
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -150,7 +151,7 @@ def main() -> None:
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(outputs)} output tokens, all in flight")
     torch.set_num_threads(os.cpu_count() or 1)
-    floors = {kind: matmul_gflops(kind) for kind in ("float32", "bfloat16", "float16", "int8")}
+    floors = {kind: matmul_gflops(kind) for kind in ("float32", "bfloat16", "int8")}
     print("matmul GFLOP/s (256 x 576 x 1536): " + ", ".join(
         f"{k} {v:.0f}" for k, v in floors.items()))
     auto_kind = "bfloat16" if auto == torch.bfloat16 else "float32"
