@@ -143,7 +143,7 @@ def main() -> None:
         args.model = ensure_default_model()
     from kvflow.workers.hardware import resolve_dtype
     print(cpu_info())
-    auto, why = resolve_dtype("auto", torch.device("cpu"), {})
+    auto, why, _ = resolve_dtype("auto", torch.device("cpu"), {})
     print(f"kvflow dtype=auto here: {auto} ({why})")
     with open(os.path.join(args.model, "config.json")) as f:
         hf = json.load(f)

@@ -16,8 +16,8 @@ BF16_CHECKPOINT = {"torch_dtype": "bfloat16"}
 def test_auto_on_cpu_is_bf16_only_where_native(monkeypatch: pytest.MonkeyPatch, native: bool,
                                                expected: torch.dtype) -> None:
     monkeypatch.setattr(hardware, "native_bf16", lambda: native)
-    dtype, why = hardware.resolve_dtype("auto", CPU, BF16_CHECKPOINT)
-    assert dtype == expected and "checkpoint says bfloat16" in why
+    dtype, why, slow = hardware.resolve_dtype("auto", CPU, BF16_CHECKPOINT)
+    assert dtype == expected and "checkpoint says bfloat16" in why and not slow
     # A float32 or float16 checkpoint changes nothing: never float16 on CPU by default.
     assert hardware.resolve_dtype("auto", CPU, {"torch_dtype": "float16"})[0] == expected
 
@@ -34,10 +34,11 @@ def test_explicit_dtype_wins_and_cuda_keeps_the_checkpoint(monkeypatch: pytest.M
 def test_explicit_float16_on_cpu_without_avx512_fp16_is_warned(monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f"}))
-    dtype, why = hardware.resolve_dtype("float16", CPU, {})
-    assert dtype == torch.float16 and "AVX512-FP16" in why
+    dtype, why, slow = hardware.resolve_dtype("float16", CPU, {})
+    assert dtype == torch.float16 and "AVX512-FP16" in why and slow
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_fp16"}))
-    assert hardware.resolve_dtype("float16", CPU, {})[1] == "float16 as asked"
+    assert hardware.resolve_dtype("float16", CPU, {}) == (torch.float16, "float16 as asked",
+                                                          False)
 
 
 def test_the_worker_runs_the_resolved_dtype(default_model: str) -> None:

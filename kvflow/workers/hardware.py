@@ -9,6 +9,7 @@ is the checkpoint's dtype. An explicit dtype always wins.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -43,21 +44,28 @@ def native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_dtype(requested: str, device: torch.device, hf_config: dict
-                  ) -> tuple[torch.dtype, str]:
-    """The compute dtype and why (for the log)."""
+class DtypeChoice(NamedTuple):
+    dtype: torch.dtype
+    reason: str                     # for the log
+    slow: bool = False              # an explicit choice this CPU runs as scalar code
+
+
+def resolve_dtype(requested: str, device: torch.device, hf_config: dict) -> DtypeChoice:
+    """The compute dtype and why."""
     checkpoint = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
     if requested != "auto":
         dtype = getattr(torch, requested)
         if (device.type == "cpu" and dtype == torch.float16
                 and "avx512_fp16" not in cpu_flags()):
-            return dtype, ("float16 as asked, but this CPU has no AVX512-FP16: torch runs it "
-                           "as scalar code; float32 or bfloat16 would be much faster")
-        return dtype, f"{requested} as asked"
+            return DtypeChoice(dtype, "float16 as asked, but this CPU has no AVX512-FP16: torch "
+                               "runs it as scalar code; float32 or bfloat16 would be much "
+                               "faster", slow=True)
+        return DtypeChoice(dtype, f"{requested} as asked")
     if device.type != "cpu":
-        return getattr(torch, checkpoint), f"auto: the checkpoint's {checkpoint}"
+        return DtypeChoice(getattr(torch, checkpoint), f"auto: the checkpoint's {checkpoint}")
     if native_bf16():
-        return torch.bfloat16, ("auto: bfloat16, native on this CPU (AVX512-BF16 or AMX); "
-                                f"the checkpoint says {checkpoint}")
-    return torch.float32, ("auto: float32, as this CPU has neither AVX512-BF16 nor AMX "
-                           f"(bfloat16 would be emulated); the checkpoint says {checkpoint}")
+        return DtypeChoice(torch.bfloat16, "auto: bfloat16, native on this CPU (AVX512-BF16 or "
+                                           f"AMX); the checkpoint says {checkpoint}")
+    return DtypeChoice(torch.float32, "auto: float32, as this CPU has neither AVX512-BF16 nor "
+                                      "AMX (bfloat16 would be emulated); the checkpoint says "
+                                      f"{checkpoint}")

@@ -71,11 +71,11 @@ class Worker:
     def _place(self) -> tuple[torch.device, torch.dtype]:
         torch.set_num_threads(self.config.num_threads)
         device = resolve_device(self.config.device, self.tp.rank)
-        dtype, why = resolve_dtype(self.config.model.dtype, device, self.config.model.hf_config)
+        choice = resolve_dtype(self.config.model.dtype, device, self.config.model.hf_config)
         if self.tp.rank == 0:
-            log = logger.warning if "scalar" in why else logger.info
-            log("dtype %s (%s)", DTYPE_NAMES[dtype], why)
-        return device, dtype
+            log = logger.warning if choice.slow else logger.info
+            log("dtype %s (%s)", DTYPE_NAMES[choice.dtype], choice.reason)
+        return device, choice.dtype
 
     def _choose_implementations(self) -> tuple[KVCache, Ops]:
         cfg, block_size = self.config, self.config.cache.block_size
