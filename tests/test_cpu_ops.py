@@ -16,7 +16,7 @@ from kvflow.kernels import cpu_ops
 from kvflow.kernels.torch_attention import store_kv as torch_store_kv
 from kvflow.workers.attention import (CpuBackend, SeqSpan, TorchBackend, cpu_kernels_usable,
                                       resolve_backend)
-from kvflow.workers.layers.norm import rms_norm
+from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.workers.layers.activation import silu_and_mul
 
@@ -124,6 +124,22 @@ def test_rms_norm_matches_torch(kernels: str, dtype: torch.dtype, rows: int,
     weight = (torch.rand(hidden) + 0.5).to(dtype)
     torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5),
                                **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 576), (4, 40)])
+def test_add_rms_norm_matches_torch(kernels: str, dtype: torch.dtype, rows: int,
+                                   hidden: int) -> None:
+    """The residual add fused into the norm: the sum is exactly torch's (one rounding to the
+    dtype), written into the residual, and the norm of it matches rms_norm."""
+    x = (torch.randn(rows, 2 * hidden) * 3).to(dtype)[:, :hidden]          # strided rows
+    residual = (torch.randn(rows, hidden) * 3).to(dtype)
+    weight = torch.rand(hidden).to(dtype)
+    expected_norm, expected_sum = add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = cpu_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual, expected_sum)
+    torch.testing.assert_close(out, expected_norm, **TOL[dtype])
 
 
 def test_rms_norm_per_head_3d(kernels: str) -> None:

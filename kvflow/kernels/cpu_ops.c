@@ -358,6 +358,30 @@ void NAME(const T *x, int64_t stride, const T *w, int64_t rows, int64_t n, float
     }                                                                                         \
 }
 
+/* Residual add then RMSNorm (the decoder layer's "h = h + sublayer(...); norm(h)"):
+ * residual = cast(residual + x) in place, out = rms_norm(residual), one pass over each row. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                             \
+void NAME(const T *x, int64_t stride, T *residual, const T *w, int64_t rows, int64_t n,      \
+          float eps, T *out) {                                                                \
+    PARALLEL_IF(rows * n)                                                                     \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const T *xr = x + r * stride;                                                         \
+        T *res = residual + r * n, *o = out + r * n;                                          \
+        float ss = 0.0f;                                                                      \
+        _Pragma("omp simd reduction(+:ss)")                                                   \
+        for (int64_t i = 0; i < n; i++) {                                                     \
+            const T h = STORE(LOAD(res[i]) + LOAD(xr[i]));                                    \
+            res[i] = h;                                                                       \
+            const float v = LOAD(h);                                                          \
+            ss += v * v;                                                                      \
+        }                                                                                     \
+        const float rstd = 1.0f / sqrtf(ss / (float)n + eps);                                 \
+        _Pragma("omp simd")                                                                   \
+        for (int64_t i = 0; i < n; i++)                                                       \
+            o[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(res[i]) * rstd)));                      \
+    }                                                                                         \
+}
+
 /* SiLU-and-mul: x rows are [gate | up] (2n wide); y = cast(silu(gate)) * up. */
 #define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE)                                             \
 void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, T *out) {                     \
@@ -397,6 +421,8 @@ void NAME(const T *x, int64_t stride, const int64_t *positions, const float *cos
 
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, f32_to_f32, f32_to_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, f32_to_f32, f32_to_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_f32, f32_to_f32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)

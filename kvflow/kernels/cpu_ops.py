@@ -1,5 +1,5 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
-the KV store, RMSNorm, SiLU-and-mul, rotary, the sampler's row argmax and the int8 linears'
+the KV store, RMSNorm (alone or after the residual add), SiLU-and-mul, rotary, the sampler's row argmax and the int8 linears'
 per-token quantization and output scaling. Each has a torch reference it is tested against
 (the torch attention backend and store; layers/norm.py, layers/activation.py,
 layers/rotary.py; torch.argmax; layers/linear.py's quantize_rows_ref and scale_rows_ref).
@@ -119,6 +119,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "paged_attention": (ctypes.c_int, [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 8
                             + [f32, ptr]),
         "rms_norm": (None, [ptr, i64, ptr, i64, i64, f32, ptr]),
+        "add_rms_norm": (None, [ptr, i64, ptr, ptr, i64, i64, f32, ptr]),
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
         "argmax": (None, [ptr, i64, i64, i64, ptr]),
@@ -160,6 +161,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _fn("rms_norm", x.dtype)(rows.data_ptr(), stride, weight.data_ptr(), rows.shape[0], n,
                              eps, out.data_ptr())
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/norm.py's add_rms_norm: (rms_norm(residual + x), residual + x); the sum is
+    written into `residual` (contiguous, the layer's own running sum) and returned."""
+    n = x.shape[-1]
+    rows, stride = _rows(x, n)
+    assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    assert weight.dtype == x.dtype and weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _fn("add_rms_norm", x.dtype)(rows.data_ptr(), stride, residual.data_ptr(),
+                                 weight.data_ptr(), rows.shape[0], n, eps, out.data_ptr())
+    return out, residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

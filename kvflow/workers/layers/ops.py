@@ -1,6 +1,7 @@
 """The implementations a model is built with, chosen once by the worker before the build.
 
-The small elementwise ops (RMSNorm, SiLU-and-mul, rotary), the sampler's argmax and the way
+The small elementwise ops (RMSNorm, alone or fused with the residual add before it,
+SiLU-and-mul, rotary), the sampler's argmax and the way
 linear layers hold their weights come in three sets; every layer receives the chosen set in its
 constructor and keeps it, so the model that runs is the one `models/llama.py` builds:
 
@@ -24,7 +25,7 @@ import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
 from kvflow.workers.layers.linear import Int8Linear, LinearMethod, OneDnnLinear
-from kvflow.workers.layers.norm import rms_norm
+from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.sampler import torch_argmax
 
@@ -35,18 +36,20 @@ Tensor = torch.Tensor
 class Ops:
     name: str                                               # torch | compiled | c
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     apply_rotary: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     argmax: Callable[[Tensor], Tensor] = torch_argmax       # row argmax, first index of the max
     linear: LinearMethod = LinearMethod()                   # how linear layers hold weights
 
 
-TORCH_OPS = Ops("torch", rms_norm, silu_and_mul, apply_rotary)
+TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 
 
 def compiled_ops() -> Ops:
     compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
-    return Ops("compiled", compile_(rms_norm), compile_(silu_and_mul), compile_(apply_rotary))
+    return Ops("compiled", compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul),
+               compile_(apply_rotary))
 
 
 def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
@@ -71,6 +74,6 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
     if c_kernels:
-        return Ops("c", cpu_ops.rms_norm, cpu_ops.silu_and_mul, cpu_ops.apply_rotary,
-                   cpu_ops.argmax, linear)
-    return Ops("torch", rms_norm, silu_and_mul, apply_rotary, linear=linear)
+        return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
+                   cpu_ops.apply_rotary, cpu_ops.argmax, linear)
+    return Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary, linear=linear)

@@ -85,16 +85,24 @@ class LlamaDecoderLayer(nn.Module):
                  rotary: RotaryEmbedding, kv_cache: KVCache, layer_index: int) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.input_layernorm = RMSNorm(hidden, eps, ops.rms_norm)
+        self.input_layernorm = RMSNorm(hidden, eps, ops.rms_norm, ops.add_rms_norm)
         self.self_attn = LlamaAttention(cfg, tp, ops, qkv_bias, qk_norm, rotary, kv_cache,
                                         layer_index)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, ops.rms_norm)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops.rms_norm, ops.add_rms_norm)
         self.mlp = LlamaMLP(cfg, tp, ops)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous sublayer's output, residual: the running sum before it (None in
+        the first layer, where h is the embedding). Each residual add is fused into the norm
+        that follows it; returns (MLP output, residual stream without it)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(positions, x, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,14 +115,18 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, ops, qkv_bias, qk_norm, rotary, kv_cache, i)
             for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], ops.rms_norm)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], ops.rms_norm,
+                            ops.add_rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)                      # [num_tokens, hidden]
+        residual = None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta)
+        if residual is None:                                  # no layers
+            return self.norm(h)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
