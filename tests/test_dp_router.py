@@ -42,6 +42,7 @@ class Router:
     def __init__(self, replicas: list[ServeProcess], policy: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        assert os.path.exists(ROUTER), f"{ROUTER} is missing: install the dev extra"
         self.proc = subprocess.Popen(
             [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
              "--worker-urls", *[r.url for r in replicas], "--health-check-interval-secs", "1",
@@ -50,10 +51,14 @@ class Router:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         deadline = time.monotonic() + 60
-        while not self._ready():
-            assert self.proc.poll() is None, f"vllm-router exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "vllm-router did not start in 60 s"
-            time.sleep(0.2)
+        try:
+            while not self._ready():
+                assert self.proc.poll() is None, f"vllm-router exited with {self.proc.returncode}"
+                assert time.monotonic() < deadline, "vllm-router did not start in 60 s"
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
 
     def _ready(self) -> bool:
         try:
@@ -136,19 +141,25 @@ def test_replica_killed_under_load_is_dropped(replicas: list[ServeProcess],
             except httpx.HTTPError:
                 statuses.append(-1)
 
-    threads = [threading.Thread(target=load) for _ in range(3)]
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(2)
-    victim, survivor = replicas
-    tree = victim.tree()
-    os.killpg(victim.pid, signal.SIGKILL)                 # the whole replica, as a machine dies
-    assert not wait_exited(tree, 10), "processes of the killed replica are left"
-    time.sleep(4)                                         # two failed health checks
-    stop.set()
-    for t in threads:
-        t.join(150)
+    try:
+        time.sleep(2)
+        victim, survivor = replicas
+        tree = victim.tree()
+        os.killpg(victim.pid, signal.SIGKILL)             # the whole replica, as a machine dies
+        assert not wait_exited(tree, 10), "processes of the killed replica are left"
+        time.sleep(3)                                     # two failed health checks (1 s apart)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
     assert statuses.count(200) > 0
+    # The router has dropped it: every later request lands on the survivor.
+    deadline = time.monotonic() + 30
+    while router.complete("Probe: say hi.").status_code != 200:
+        assert time.monotonic() < deadline, "the router kept failing after the replica died"
     before = successes(survivor)
     for i in range(6):
         response = router.complete(f"After the failure {i}: say hi.")

@@ -2,6 +2,7 @@
 checked request, raising ValueError before anything runs. Shared by LLM and the server."""
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from kvflow.config import EngineConfig
@@ -28,10 +29,12 @@ class InputProcessor:
         params.validate()
         text = prompt if isinstance(prompt, str) else None
         if text is None and not (isinstance(prompt, (list, tuple))
-                                 and all(type(t) is int for t in prompt)):
+                                 and all(isinstance(t, numbers.Integral)
+                                         and not isinstance(t, bool) for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids (ints), not "
-                            f"{type(prompt).__name__}: {str(prompt)[:80]}")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                             f"{type(prompt).__name__}: {str(prompt)[:80]}")
+        token_ids = (self.tokenizer.encode(text) if text is not None
+                     else [int(t) for t in prompt])
         error = check_request(token_ids, params, max_model_len=self.config.model.max_model_len,
                               vocab_size=self.config.model.vocab_size,
                               block_size=self.config.cache.block_size,

@@ -62,6 +62,9 @@ def resolve_dtype(requested: str, device: torch.device, hf_config: dict) -> Dtyp
                                "faster", slow=True)
         return DtypeChoice(dtype, f"{requested} as asked")
     if device.type != "cpu":
+        if checkpoint not in DTYPE_NAMES.values():
+            raise ValueError(f"dtype='auto': the checkpoint's dtype {checkpoint!r} is not one of "
+                             f"{tuple(DTYPE_NAMES.values())}; pass dtype explicitly")
         return DtypeChoice(getattr(torch, checkpoint), f"auto: the checkpoint's {checkpoint}")
     if native_bf16():
         return DtypeChoice(torch.bfloat16, "auto: bfloat16, native on this CPU (AVX512-BF16 or "

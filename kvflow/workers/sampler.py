@@ -102,13 +102,15 @@ class Sampler:
         # (the first token whose cumulative probability exceeds it). One random number a row
         # instead of one per vocabulary entry: 32 rows x 49k vocab drew exponential noise in
         # 30 ms on CPU, this takes ~2 ms.
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)                        # [batch, vocab]
-        u = torch.rand(len(params), generator=self.generator, device=device)
+        # float64 sums: float32 could not tell tail probabilities below ~3e-8 apart.
+        cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)   # [batch, vocab]
+        u = torch.rand(len(params), generator=self.generator, device=device,
+                       dtype=torch.float64)
         for i, p in enumerate(params):
             if p.seed is not None:
                 gen = torch.Generator(device).manual_seed(
                     _mix(p.seed, batch.output_positions[i]))
-                u[i] = torch.rand(1, generator=gen, device=device)[0]
+                u[i] = torch.rand(1, generator=gen, device=device, dtype=torch.float64)[0]
         u = (u * cdf[:, -1]).unsqueeze(1)                  # the sum is 1 within rounding
         ids = torch.searchsorted(cdf, u, right=True).squeeze(1)
         return ids.clamp_(max=cdf.shape[1] - 1)

@@ -111,7 +111,9 @@ def smooth(pairs: list[SmoothPair], absmax: dict[Smoothable, torch.Tensor],
             rows = int(pair.source.max()) + 1
             act = torch.zeros(rows).scatter_reduce(0, pair.source, act, "amax")
             weight = torch.zeros(rows).scatter_reduce(0, pair.source, weight, "amax")
-        # Clamped: a channel quiet in calibration must not get a huge 1/s upstream.
+        # Clamped: a channel quiet in calibration must not get a huge 1/s upstream. (Rounding s
+        # to a power of two would make the fold exact in bfloat16, but measured worse:
+        # mean |dlogprob| 0.0866 vs 0.0802 with bf16 activations, 0.0792 vs 0.0740 float32.)
         s_rows = (act ** alpha / weight ** (1 - alpha)).clamp(1e-2, 1e2)
         n = s_rows.shape[0]
         for target in (pair.producer, pair.producer_bias):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.workers.hardware import cpu_flags
 from kvflow.workers.layers.parallel import TPGroup, full, narrow
 
 logger = logging.getLogger("kvflow.worker")
@@ -146,6 +147,12 @@ class Int8Linear(LinearMethod):
         if not (torch.backends.mkldnn.is_available()
                 and hasattr(torch.ops.onednn, "qlinear_pointwise")):
             return "this torch has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise)"
+        flags = cpu_flags()
+        if flags and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+            # Without VNNI, x86 multiplies u8 x s8 pairs into saturating 16-bit sums
+            # (vpmaddubsw): full-range int8 weights and activations would overflow.
+            return ("this CPU has neither VNNI (avx512_vnni, avx_vnni) nor AMX-INT8, and "
+                    "oneDNN's int8 GEMM without them saturates 16-bit partial sums")
         gen = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 64, generator=gen), torch.randn(5, 64, generator=gen)
         method = cls()

@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             heads = torch.arange(attn.num_heads * d) // d
             v_row = (heads // group) * d + torch.arange(attn.num_heads * d) % d
             v_start = (attn.num_heads + attn.num_kv_heads) * d
-            n_up = mlp.gate_up_proj.out_sizes[1] // mlp.gate_up_proj.tp.size
+            n_up = mlp.gate_up_proj.out_sizes[0] // mlp.gate_up_proj.tp.size   # up after gate
             pairs += [
                 SmoothPair(qkv, layer.input_layernorm.weight.data, None, 0),
                 SmoothPair(attn.o_proj, qkv.weight.data, _data(qkv.bias), v_start, v_row),
