@@ -53,8 +53,9 @@ def matmul_gflops(kind: str, m: int = 256, k: int = 576, n: int = 1536) -> float
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
     if kind == "int8":
+        from kvflow.kernels import cpu_ops
         from kvflow.workers.layers.linear import Int8Linear
-        method = Int8Linear()
+        method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)      # as kvflow runs it
         prepared = method.prepare(w)
         fn = lambda: method.apply(x, w, prepared)                       # noqa: E731
     else:

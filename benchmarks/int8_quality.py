@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvflow import LLM, SamplingParams                                    # noqa: E402
 from kvflow.config import make_engine_config                              # noqa: E402
 from kvflow.frontend.model_files import ensure_default_model              # noqa: E402
-from kvflow.workers.attention import SeqSpan                              # noqa: E402
 from kvflow.workers.hardware import cpu_flags, cpu_model                  # noqa: E402
 from kvflow.workers.models.llama import LlamaForCausalLM                  # noqa: E402
+from kvflow.workers.smoothing import prefill_logits                      # noqa: E402
 from kvflow.workers.worker import Worker                                  # noqa: E402
 
 PROMPTS = [
@@ -55,19 +55,9 @@ class Quality:
     free_prefix: float     # mean share of tokens equal before the first divergence
 
 
-@torch.inference_mode()
 def log_probs(worker: Worker, ids: list[int]) -> torch.Tensor:
     """log_softmax of every position's logits, one prefill pass."""
-    n, block_size = len(ids), worker.backend.block_size
-    blocks = np.arange(-(-n // block_size))
-    worker.kv_cache.allocate(len(blocks))
-    pos = np.arange(n)
-    meta = worker.backend.build_metadata(blocks[pos // block_size] * block_size
-                                         + pos % block_size, [], [SeqSpan(0, n, n, blocks)])
-    hidden = worker.model(torch.tensor(ids), torch.tensor(pos), meta)
-    logits = worker.model.compute_logits(hidden)
-    assert logits is not None
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(prefill_logits(worker.model, worker.kv_cache, ids).float(), dim=-1)
 
 
 def generate(path: str, prompts: list[list[int]], max_tokens: int, **options: object

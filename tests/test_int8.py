@@ -104,12 +104,11 @@ def test_smoothing_folds_exactly(default_model: str, tmp_path, arch: str,  # typ
     """SmoothQuant only moves scale between a linear's input and its weight: in float32, the
     folded producers (norms, v rows with GQA sharing, up rows, biases) times the consumers'
     input_scale give the same logits as the original model."""
-    import numpy as np
     from kvflow.config import make_engine_config
-    from kvflow.workers.attention import SeqSpan
-    from kvflow.workers.smoothing import calibration_ids, input_absmax, smooth
-    from kvflow.workers.worker import Worker
     from kvflow.workers.layers.linear import OneDnnLinear
+    from kvflow.workers.smoothing import (calibration_ids, input_absmax, prefill_logits,
+                                          smooth)
+    from kvflow.workers.worker import Worker
     from model_helpers import make_tiny_model
     monkeypatch.setattr(OneDnnLinear, "works", classmethod(lambda cls, dtype: False))
     path = default_model if arch == "default" else make_tiny_model(
@@ -119,22 +118,14 @@ def test_smoothing_folds_exactly(default_model: str, tmp_path, arch: str,  # typ
                                        device="cpu", attention_backend="torch"))
     model = worker.model
     ids = calibration_ids(path, 49152)[:40]
-    n, bs = len(ids), worker.backend.block_size
-    blocks, pos = np.arange(-(-n // bs)), np.arange(n)
-    meta = worker.backend.build_metadata(blocks[pos // bs] * bs + pos % bs, [],
-                                         [SeqSpan(0, n, n, blocks)])
 
     def logits() -> torch.Tensor:
-        with torch.inference_mode():
-            out = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
-        assert out is not None
-        return out
+        return prefill_logits(model, worker.kv_cache, ids)
 
     before = logits()
     pairs = model.smoothing_pairs()
     absmax = input_absmax(model, worker.kv_cache, [p.consumer for p in pairs], ids)
     smooth(pairs, absmax)
-    worker.kv_cache.allocate(worker.num_blocks)
     scales = [p.consumer.input_scale for p in pairs]
     assert all(s is not None and not torch.allclose(s, torch.ones_like(s)) for s in scales)
     for pair in pairs:                       # what Int8Linear.prepare would be given

@@ -13,31 +13,33 @@ from typing import NamedTuple
 
 import torch
 
+from kvflow.config import DTYPES
+
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The ISA flags of /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first value of each /proc/cpuinfo field (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's ISA flags."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return _cpuinfo().get("model name", "unknown CPU")
 
 
 def native_bf16() -> bool:
@@ -62,9 +64,9 @@ def resolve_dtype(requested: str, device: torch.device, hf_config: dict) -> Dtyp
                                "faster", slow=True)
         return DtypeChoice(dtype, f"{requested} as asked")
     if device.type != "cpu":
-        if checkpoint not in DTYPE_NAMES.values():
+        if checkpoint not in DTYPES:
             raise ValueError(f"dtype='auto': the checkpoint's dtype {checkpoint!r} is not one of "
-                             f"{tuple(DTYPE_NAMES.values())}; pass dtype explicitly")
+                             f"{DTYPES}; pass dtype explicitly")
         return DtypeChoice(getattr(torch, checkpoint), f"auto: the checkpoint's {checkpoint}")
     if native_bf16():
         return DtypeChoice(torch.bfloat16, "auto: bfloat16, native on this CPU (AVX512-BF16 or "

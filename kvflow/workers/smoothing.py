@@ -69,21 +69,13 @@ def calibration_ids(model_path: str, vocab_size: int) -> list[int]:
 
 
 @torch.inference_mode()
-def input_absmax(model: nn.Module, kv_cache: KVCache, consumers: list[Smoothable],
-                 token_ids: list[int]) -> dict[Smoothable, torch.Tensor]:
-    """max |input| per channel of each consumer over one float prefill of `token_ids`, on a
-    temporary KV cache just big enough (freed after)."""
+def prefill_logits(model: nn.Module, kv_cache: KVCache, token_ids: list[int]) -> torch.Tensor:
+    """The logits at every position of one sequence, from one prefill on a temporary KV cache
+    just big enough (freed after)."""
     backend: AttentionBackend = kv_cache.backend
     n, block_size = len(token_ids), backend.block_size
     blocks = np.arange(-(-n // block_size))
     positions = np.arange(n)
-    found: dict[Smoothable, torch.Tensor] = {}
-
-    def record(module: nn.Module, args: tuple, _out: object) -> None:
-        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-        found[cast(Smoothable, module)] = x.abs().amax(dim=0)
-
-    hooks = [cast(nn.Module, m).register_forward_hook(record) for m in consumers]
     kv_cache.allocate(len(blocks))
     try:
         meta = backend.build_metadata(blocks[positions // block_size] * block_size
@@ -92,11 +84,26 @@ def input_absmax(model: nn.Module, kv_cache: KVCache, consumers: list[Smoothable
         device = backend.device
         hidden = model(torch.tensor(token_ids, device=device),
                        torch.tensor(positions, device=device), meta)
-        cast(Any, model).compute_logits(hidden)
+        return cast(Any, model).compute_logits(hidden)
+    finally:
+        kv_cache.allocate(0)
+
+
+def input_absmax(model: nn.Module, kv_cache: KVCache, consumers: list[Smoothable],
+                 token_ids: list[int]) -> dict[Smoothable, torch.Tensor]:
+    """max |input| per channel of each consumer over one float prefill of `token_ids`."""
+    found: dict[Smoothable, torch.Tensor] = {}
+
+    def record(module: nn.Module, args: tuple, _out: object) -> None:
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        found[cast(Smoothable, module)] = x.abs().amax(dim=0)
+
+    hooks = [cast(nn.Module, m).register_forward_hook(record) for m in consumers]
+    try:
+        prefill_logits(model, kv_cache, token_ids)
     finally:
         for hook in hooks:
             hook.remove()
-        kv_cache.allocate(0)
     return found
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.workers.layers.linear import LinearMethod, scaled_weight
+from kvflow.workers.layers.linear import LinearMethod, prepare_weight
 from kvflow.workers.layers.parallel import TPGroup, narrow
 
 
@@ -42,6 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     is the embedding's too, so it stays after `finish_loading`."""
 
     prepared: Any = None
+    input_scale: torch.Tensor | None = None      # as PreparedLinear's (layers/linear.py)
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, method: LinearMethod,
                  tied: bool) -> None:
@@ -49,15 +50,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.method = method
         self.tied = tied
 
-    input_scale: torch.Tensor | None = None      # as PreparedLinear's (layers/linear.py)
-
     def finish_loading(self) -> None:
-        self.prepared = self.method.prepare(scaled_weight(self.weight.data, self.input_scale))
-        if self.prepared is not None and not self.tied:
-            self.weight.data = self.weight.data.new_empty(0)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self(hidden)
+        self.prepared = prepare_weight(self.method, self.weight, self.input_scale,
+                                       free_plain_weight=not self.tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:   # type: ignore[override]
         """Logits of `hidden` (not an embedding lookup): a module call, so forward hooks

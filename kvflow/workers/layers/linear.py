@@ -166,28 +166,33 @@ class Int8Linear(LinearMethod):
         return None
 
 
-def scaled_weight(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
-    return weight if input_scale is None else weight.float() * input_scale
+def prepare_weight(method: LinearMethod, weight: nn.Parameter,
+                   input_scale: torch.Tensor | None, free_plain_weight: bool) -> Any:
+    """What `method.apply` reads, from the loaded weight (times `input_scale` when SmoothQuant
+    set one); the plain weight is freed when the method has its own copy and nothing else
+    shares it."""
+    data = weight.data
+    prepared = method.prepare(data if input_scale is None else data.float() * input_scale)
+    if prepared is not None and free_plain_weight:
+        weight.data = data.new_empty(0)
+    return prepared
 
 
 class PreparedLinear(nn.Module):
     """A weight multiplied by its `LinearMethod`; `finish_loading` prepares it once."""
     weight: nn.Parameter
     prepared: Any = None
-    free_plain_weight = True       # False where the plain weight is shared (tied embeddings)
+    # Per input feature: the weight is prepared as W * input_scale, its input having been
+    # divided by the same upstream (SmoothQuant, workers/smoothing.py).
+    input_scale: torch.Tensor | None = None
 
     def __init__(self, method: LinearMethod) -> None:
         super().__init__()
         self.method = method
 
-    # Per input feature: the weight is prepared as W * input_scale, its input having been
-    # divided by the same upstream (SmoothQuant, workers/smoothing.py).
-    input_scale: torch.Tensor | None = None
-
     def finish_loading(self) -> None:
-        self.prepared = self.method.prepare(scaled_weight(self.weight.data, self.input_scale))
-        if self.prepared is not None and self.free_plain_weight:
-            self.weight.data = self.weight.data.new_empty(0)   # only the prepared copy is used
+        self.prepared = prepare_weight(self.method, self.weight, self.input_scale,
+                                       free_plain_weight=True)
 
 
 class ColumnParallelLinear(PreparedLinear):

@@ -124,8 +124,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
-        if residual is None:                                  # no layers
-            return self.norm(h)
+        assert residual is not None, "a model has at least one layer"
         return self.norm.add_forward(h, residual)[0]
 
 
@@ -191,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.compute_logits(hidden)
+        return self.lm_head(hidden)
 
     def checkpoint_target(self, name: str) -> tuple[str, Any] | None:
         """Our parameter name and shard id for a checkpoint tensor (None: not ours to load)."""
