@@ -4,7 +4,8 @@
     python launch.py generate --model default "Write a haiku about the sea."
 
 `serve` starts the cluster (this process is the frontend; EngineCore and one worker per
-tensor-parallel rank are its children) and serves the OpenAI-compatible HTTP API (/v1/completions,
+tensor-parallel rank are its children; with --nnodes, node 0's ranks, the others' ranks being
+started on their nodes by `serve --headless`, see docs/deploy.md) and serves the OpenAI-compatible HTTP API (/v1/completions,
 /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, /version) and, with
 --client-address, kvflow.Client / AsyncClient over ZMQ, until SIGINT or SIGTERM. `generate`
 starts the same cluster for one prompt and streams the answer.
@@ -68,6 +69,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="share of the GPU's memory kvflow may use (weights, activations, "
                              "KV cache) when --kv-cache-memory-gb is not given")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes the tensor-parallel ranks are spread over (--tp / --nnodes "
+                             "each); node 0 serves, the others run `serve --headless` "
+                             "(docs/deploy.md)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 to "
+                        "--nnodes - 1 (0: the node that serves)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="node 0's address as every node reaches it")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="node 0's port for the torch.distributed rendezvous (default: "
+                             "29501 with several nodes, a free port with one)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds for every rank on every node to load and join; then "
+                             "start-up fails naming the ranks missing")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -95,8 +110,19 @@ def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return engine, InputProcessor(config, tokenizer, engine.num_blocks)
 
 
+def cmd_headless(args: argparse.Namespace) -> None:
+    from kvflow.config import make_engine_config
+    from kvflow.frontend.model_files import resolve_model
+    from kvflow.workers.headless import run_headless
+    config = make_engine_config(resolve_model(args.model), engine_options(args))
+    sys.exit(run_headless(config))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import asyncio
+
+    if args.headless:
+        return cmd_headless(args)
 
     from kvflow.frontend.api.api_server import ServeOptions, serve
     run: Any = asyncio.run                 # uvloop where it exists (not on Windows)
@@ -161,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 (with Retry-After) at once when this many requests "
                             "already wait for the engine (default: no limit)")
+    serve.add_argument("--headless", action="store_true",
+                       help="run only this node's workers (--node-rank >= 1), no HTTP server; "
+                            "exits when node 0's engine stops or is gone")
     add_engine_args(serve)
     gen = sub.add_parser("generate", help="run one prompt and stream the answer")
     gen.add_argument("prompt")

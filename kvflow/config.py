@@ -45,6 +45,27 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
+    # Several nodes (docs/deploy.md): tensor_parallel_size / nnodes ranks on each, node 0 runs
+    # the frontend and EngineCore, the others are --headless. The torch.distributed store
+    # listens on master_addr:master_port (None: a free local port; one node only).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    startup_timeout: float = 300.0     # seconds for every rank to load and join
+
+    @property
+    def store_port(self) -> int:
+        """master_port where the nodes meet (always decided when nnodes > 1)."""
+        assert self.master_port is not None, "one node: the port is chosen at start-up"
+        return self.master_port
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +157,11 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     quantization: str | None = None       # "int8": W8A8 linears, CPU only
+    nnodes: int = 1                       # multi-node tensor parallelism (docs/deploy.md)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None        # None: a free port (one node), 29501 (several)
+    startup_timeout: float = 300.0        # seconds for every rank (every node) to be ready
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
@@ -173,6 +199,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError("quantization='int8' runs on CPU (oneDNN's int8 GEMM), but "
                          "device='cuda'")
     _check_tp(hf, o.tensor_parallel_size)
+    parallel = _parallel_config(o)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
         dtype=_check_dtype(o.dtype), load_format=o.load_format,
@@ -182,12 +209,12 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         block_size=o.block_size, enable_prefix_caching=o.enable_prefix_caching,
         kv_cache_memory_gb=o.kv_cache_memory_gb,
         gpu_memory_utilization=float(o.gpu_memory_utilization))
-    threads = o.num_threads or max(1, (os.cpu_count() or 1) // o.tensor_parallel_size)
+    threads = o.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
     return EngineConfig(
         model=model, cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs,
                                   max_num_batched_tokens=o.max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=o.tensor_parallel_size),
+        parallel=parallel,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization)
 
@@ -221,6 +248,26 @@ def _check_tp(hf: dict, tp: int) -> None:
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads="
                          f"{kv_heads} or be a multiple of it (KV heads are then replicated)")
+
+
+def _parallel_config(o: EngineOptions) -> ParallelConfig:
+    tp, nnodes, node_rank = o.tensor_parallel_size, o.nnodes, o.node_rank
+    _check_positive(nnodes=nnodes)
+    if tp % nnodes:
+        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of nnodes={nnodes} "
+                         "(every node runs the same number of ranks)")
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank!r} must be in [0, nnodes={nnodes})")
+    port = o.master_port if o.master_port is not None or nnodes == 1 else 29501
+    if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+        raise ValueError(f"master_port={port!r} must be a TCP port (1-65535)")
+    if not o.master_addr:
+        raise ValueError("master_addr must name node 0 (an IP address or a host name)")
+    if not isinstance(o.startup_timeout, (int, float)) or not o.startup_timeout > 0:
+        raise ValueError(f"startup_timeout={o.startup_timeout!r} must be > 0 seconds")
+    return ParallelConfig(tensor_parallel_size=tp, nnodes=nnodes, node_rank=node_rank,
+                          master_addr=o.master_addr, master_port=port,
+                          startup_timeout=float(o.startup_timeout))
 
 
 def _check_positive(**values: int) -> None:

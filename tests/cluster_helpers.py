@@ -151,13 +151,16 @@ class ServeProcess:
     """`launch.py serve` in a new session, its log collected line by line."""
 
     def __init__(self, *args: str, model: str = "default", kv_cache_memory_gb: float = 0.1,
-                 env: dict[str, str] | None = None, zmq: bool = True) -> None:
-        self.address = free_tcp_address()
+                 env: dict[str, str] | None = None, zmq: bool = True,
+                 prefix: list[str] | None = None, address: str | None = None) -> None:
+        """`prefix`: a command that runs launch.py (e.g. nsenter into a network namespace);
+        `address`: where kvflow clients connect (default: a free 127.0.0.1 port)."""
+        self.address = address or free_tcp_address()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag = new_tag()
         full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}
-        cmd = [sys.executable, os.path.join(REPO, "launch.py"), "serve",
+        cmd = [*(prefix or []), sys.executable, os.path.join(REPO, "launch.py"), "serve",
                *(["--client-address", self.address] if zmq else []),
                "--port", str(self.port), "--model", model, "--kv-cache-memory-gb", str(kv_cache_memory_gb),
                *args]

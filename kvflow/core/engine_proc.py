@@ -17,7 +17,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
-from kvflow.core.executor import MultiprocExecutor
+from kvflow.core.executor import MultiprocExecutor, WorkerFailure
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineReady, EngineRequest, FromEngine,
                                  GetTimings, ResetPrefixCache, Shutdown, ToEngine)
 from kvflow.ipc.process import child_args, startup_done
@@ -32,20 +32,19 @@ class ParentGone(Exception):
 
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str,
-                 parent_fd: int, startup_timeout: float) -> None:
+                 parent_fd: int) -> None:
         self.ctx = zmq.Context()
         self.input = Channel[ToEngine](make_socket(self.ctx, zmq.PULL, input_address, False),
                                        ToEngine)
         self.output = Channel[FromEngine](make_socket(self.ctx, zmq.PUSH, output_address,
                                                       False), FromEngine)
         self.parent_fd = parent_fd
-        self.executor = MultiprocExecutor(config, self.ctx, tempfile.mkdtemp(prefix="kvflow-"),
-                                          startup_timeout)
+        self.executor = MultiprocExecutor(config, self.ctx, tempfile.mkdtemp(prefix="kvflow-"))
         self.core = EngineCore(config, self.executor)
         self.poller = zmq.Poller()
         self.poller.register(self.input.sock, zmq.POLLIN)
         self.poller.register(parent_fd, zmq.POLLIN)
-        for s in self.executor.sentinels:
+        for s in self.executor.watched:
             self.poller.register(s, zmq.POLLIN)
         self.running = True
 
@@ -59,7 +58,7 @@ class EngineCoreProc:
 
     def receive(self, block: bool) -> None:
         """Apply every message waiting; when `block`, wait (in poll) for the first one."""
-        ready = dict(self.poller.poll(None if block else 0))
+        ready = dict(self.poller.poll(self.executor.poll_interval_ms if block else 0))
         if self.parent_fd in ready:
             raise ParentGone()
         self.executor.check_alive()
@@ -83,8 +82,8 @@ class EngineCoreProc:
         if outputs.outputs:
             self.output.send(outputs)
 
-    def close(self) -> None:
-        self.executor.shutdown()
+    def close(self, grace: float = 3.0) -> None:
+        self.executor.shutdown(grace)
         self.ctx.destroy(linger=0)
 
 
@@ -93,22 +92,21 @@ def main() -> None:
                                                  "frontend)")
     parser.add_argument("--input-address", required=True)
     parser.add_argument("--output-address", required=True)
-    parser.add_argument("--startup-timeout", type=float, required=True)
     parser.add_argument("--log-level", type=int, required=True)
     args, config = child_args(parser)
     run_engine_core(config, args.input_address, args.output_address, args.parent_fd,
-                    args.startup_timeout, args.log_level)
+                    args.log_level)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_fd: int, startup_timeout: float, log_level: int) -> None:
+                    parent_fd: int, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
     logging.basicConfig(level=log_level, format="%(asctime)s engine-core %(message)s")
     proc: EngineCoreProc | None = None
-    ctx = zmq.Context()
+    grace = 3.0                  # for the workers to stop; short after a failure: a worker may
+    ctx = zmq.Context()          # sit in a collective that never ends, and is then killed
     try:
-        proc = EngineCoreProc(config, input_address, output_address, parent_fd,
-                              startup_timeout)
+        proc = EngineCoreProc(config, input_address, output_address, parent_fd)
         proc.run()
     except ParentGone:
         logger.warning("frontend is gone; shutting down")
@@ -117,14 +115,17 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         out = make_socket(ctx, zmq.PUSH, output_address, bind=False)
         Channel[FromEngine](out, FromEngine).send(ChildFailed("EngineCore", _describe(e)))
         out.close(linger=1000)                       # give the news a moment to leave
+        grace = 0.5
     finally:
         if proc is not None:
-            proc.close()
+            proc.close(grace)
         ctx.destroy(linger=0)
 
 
 def _describe(e: Exception) -> str:
-    return str(e) if "failed:" in str(e) or "died" in str(e) else traceback.format_exc()
+    """A worker's failure is its own message (it carries the worker's traceback if any);
+    anything else, EngineCore's traceback."""
+    return str(e) if isinstance(e, WorkerFailure) else traceback.format_exc()
 
 
 if __name__ == "__main__":

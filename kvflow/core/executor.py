@@ -11,11 +11,13 @@ import logging
 import socket
 import time
 
+import msgspec
 import zmq
 
-from kvflow.config import EngineConfig
-from kvflow.ipc.messages import (ChildFailed, FromWorker, Ping, Pong, Shutdown, StepPlan,
-                                 StepResult, ToWorker, WorkerReady)
+from kvflow.config import EngineConfig, ParallelConfig
+from kvflow.ipc.messages import (ChildFailed, FromNode, FromWorker, Heartbeat, Ping, Pong,
+                                 Shutdown, StepPlan, StepResult, ToWorker, WorkerReady)
+from kvflow.ipc.network import host_ip, tcp_address
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, ipc_address, make_socket
 
@@ -26,6 +28,19 @@ class WorkerFailure(RuntimeError):
     """A worker died or reported an error; EngineCore cannot go on."""
 
 
+class StartupTimeout(WorkerFailure):
+    pass
+
+
+HEARTBEAT_INTERVAL = 0.5   # seconds between heartbeats, both ways, with each --headless node
+HEARTBEAT_TIMEOUT = 3.0    # silence after which a node (or node 0) counts as gone
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address a socket bound (with its port when bound to "*")."""
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
 def free_tcp_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,22 +48,31 @@ def free_tcp_address() -> str:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, run_dir: str,
-                 startup_timeout: float) -> None:
-        self.size = config.parallel.tensor_parallel_size
-        plan_address = ipc_address("plans", run_dir)
-        result_address = ipc_address("results", run_dir)
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, run_dir: str) -> None:
+        parallel = config.parallel
+        self.size = parallel.tensor_parallel_size
+        self.startup_timeout = parallel.startup_timeout
+        self.nodes = RemoteNodes(ctx, parallel) if parallel.nnodes > 1 else None
+        if self.nodes is None:
+            plan_address = ipc_address("plans", run_dir)
+            result_address = ipc_address("results", run_dir)
+            dist_address = free_tcp_address()
+        else:                  # tcp on a free port of this node's address: other nodes connect
+            plan_address = result_address = self.nodes.any_port
+            dist_address = tcp_address(parallel.master_addr, parallel.store_port)
         self.plans = Channel[ToWorker](make_socket(ctx, zmq.PUB, plan_address, True), ToWorker)
         self.results = Channel[FromWorker](make_socket(ctx, zmq.PULL, result_address, True),
                                            FromWorker)
-        dist_address = free_tcp_address()
+        plan_address, result_address = (bound_address(c.sock) for c in (self.plans,
+                                                                         self.results))
+        control = ["--control-address", self.nodes.address] if self.nodes else []
         self.procs = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
             "--rank", str(rank), "--plan-address", plan_address, "--result-address",
-            result_address, "--dist-address", dist_address,
-            "--log-level", str(logging.getLogger().level)]) for rank in range(self.size)]
+            result_address, "--dist-address", dist_address, *control,
+            "--log-level", str(logging.getLogger().level)]) for rank in parallel.node_ranks(0)]
         try:
-            self.num_blocks = self._wait_ready(time.monotonic() + startup_timeout)
-            self._handshake(time.monotonic() + startup_timeout)
+            self.num_blocks = self._wait_ready(time.monotonic() + self.startup_timeout)
+            self._handshake(time.monotonic() + self.startup_timeout)
         except BaseException:
             self.shutdown()                          # no worker outlives a failed start
             raise
@@ -59,15 +83,28 @@ class MultiprocExecutor:
     def sentinels(self) -> list[int]:
         return [p.sentinel for p in self.procs]
 
+    @property
+    def watched(self) -> list[object]:
+        """What EngineCore's poll must also wake for: worker exits, the nodes' messages."""
+        return [*self.sentinels, *([self.nodes.control.sock] if self.nodes else [])]
+
+    @property
+    def poll_interval_ms(self) -> int | None:
+        """How often an idle EngineCore must look at the nodes' heartbeats (None: never)."""
+        return int(HEARTBEAT_INTERVAL * 1000) if self.nodes else None
+
     def _recv(self, deadline: float | None) -> object:
-        """The next worker message, watching every worker's sentinel while waiting."""
+        """The next worker message, watching every worker's sentinel (and, with several nodes,
+        their heartbeats) while waiting."""
         poller = zmq.Poller()
         poller.register(self.results.sock, zmq.POLLIN)
-        for s in self.sentinels:
+        for s in self.watched:
             poller.register(s, zmq.POLLIN)
         while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = dict(poller.poll(None if timeout is None else int(timeout * 1000) + 1))
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.nodes is not None:
+                wait = HEARTBEAT_INTERVAL if wait is None else min(wait, HEARTBEAT_INTERVAL)
+            ready = dict(poller.poll(None if wait is None else int(wait * 1000) + 1))
             if self.results.sock in ready:
                 msg = self.results.recv()
                 if isinstance(msg, ChildFailed):
@@ -77,20 +114,28 @@ class MultiprocExecutor:
                 continue
             self.check_alive()
             if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerFailure("timed out waiting for the workers")
+                raise StartupTimeout("timed out waiting for the workers")
 
     def check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
             if p.exitcode is not None:
                 raise WorkerFailure(f"worker {rank} (pid {p.pid}) died with exit code "
                                     f"{p.exitcode}")
+        if self.nodes is not None:
+            self.nodes.service()
 
     def _wait_ready(self, deadline: float) -> int:
         blocks: dict[int, int] = {}
-        while len(blocks) < self.size:
-            msg = self._recv(deadline)
-            if isinstance(msg, WorkerReady):
-                blocks[msg.rank] = msg.num_blocks
+        try:
+            while len(blocks) < self.size:
+                msg = self._recv(deadline)
+                if isinstance(msg, WorkerReady):
+                    blocks[msg.rank] = msg.num_blocks
+        except StartupTimeout:
+            absent = self.nodes.not_joined() if self.nodes else ""
+            missing = sorted(set(range(self.size)) - set(blocks))
+            raise WorkerFailure(absent or f"ranks {missing} were not ready within the start-up "
+                                          f"timeout ({self.startup_timeout:g} s)") from None
         return min(blocks.values())
 
     def _handshake(self, deadline: float) -> None:
@@ -120,11 +165,76 @@ class MultiprocExecutor:
         self.num_steps += 1
         return msg
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace: float = 3.0) -> None:
+        """Tell every worker to stop; kill those not gone after `grace` seconds."""
         try:
             self.plans.send(Shutdown())
+            if self.nodes is not None:
+                self.nodes.shutdown()
+                # Closed with a linger, so the context's teardown (linger 0) still lets these
+                # last messages reach the other nodes.
+                self.plans.sock.close(linger=1000)
         except zmq.ZMQError:
             pass
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + grace
         for p in self.procs:
             p.stop(max(0.1, deadline - time.monotonic()))
+
+
+class RemoteNodes:
+    """EngineCore's side of the --headless nodes: a ROUTER socket on this node's address; each
+    node's launcher connects, and each heartbeat it sends is answered. A node that reports a
+    dead worker, or falls silent for HEARTBEAT_TIMEOUT after joining, is a WorkerFailure, so
+    requests fail within seconds even when a collective would hang (NCCL) or a node vanishes
+    without closing its connections."""
+
+    def __init__(self, ctx: zmq.Context, parallel: ParallelConfig) -> None:
+        self.parallel = parallel
+        self.ip = host_ip(parallel.master_addr, parallel.store_port)
+        self.any_port = tcp_address(self.ip, "*")
+        self.control = Channel[FromNode](make_socket(ctx, zmq.ROUTER, self.any_port, True),
+                                         FromNode)
+        self.address = bound_address(self.control.sock)
+        self.last_seen: dict[int, float] = {}       # node rank -> when it last spoke
+        self.identities: dict[int, bytes] = {}
+        self._reply = msgspec.msgpack.Encoder().encode(Heartbeat(0))
+
+    def service(self) -> None:
+        """Answer heartbeats; raise WorkerFailure for a failed or silent node."""
+        while self.control.poll(0):
+            frames = self.control.sock.recv_multipart()
+            msg = self.control.decode(frames[-1])
+            if isinstance(msg, ChildFailed):
+                raise WorkerFailure(f"{msg.who} failed: {msg.error}")
+            if isinstance(msg, Heartbeat) and 0 < msg.node_rank < self.parallel.nnodes:
+                if msg.node_rank not in self.last_seen:
+                    logger.info("node %d joined (ranks %s)", msg.node_rank,
+                                list(self.parallel.node_ranks(msg.node_rank)))
+                self.last_seen[msg.node_rank] = time.monotonic()
+                self.identities[msg.node_rank] = frames[0]
+                self.control.sock.send_multipart([frames[0], self._reply])
+        now = time.monotonic()
+        for node, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT:
+                raise WorkerFailure(
+                    f"node {node} (ranks {list(self.parallel.node_ranks(node))}) sent no "
+                    f"heartbeat for {now - seen:.1f} s: it died or the network to it is down")
+
+    def not_joined(self) -> str:
+        """The start-up timeout's error when some nodes never joined ("" if all did)."""
+        p = self.parallel
+        absent = [n for n in range(1, p.nnodes) if n not in self.last_seen]
+        if not absent:
+            return ""
+        ranks = [r for n in absent for r in p.node_ranks(n)]
+        return (f"node(s) {absent} (ranks {ranks}) did not join within the start-up timeout "
+                f"({p.startup_timeout:g} s): start `launch.py serve --headless --nnodes "
+                f"{p.nnodes} --node-rank N --master-addr {p.master_addr} --master-port "
+                f"{p.master_port} --tp {p.tensor_parallel_size} --model ...` on each; they "
+                f"must reach {p.master_addr}:{p.master_port} and this node's {self.ip}")
+
+    def shutdown(self) -> None:
+        data = msgspec.msgpack.Encoder().encode(Shutdown())
+        for identity in self.identities.values():
+            self.control.sock.send_multipart([identity, data], zmq.NOBLOCK)
+        self.control.sock.close(linger=1000)

@@ -149,6 +149,8 @@ class AsyncEngine:
                     self._apply(out)
             except EngineDeadError as e:
                 self.fail_all(str(e))
+                # Then reap what is left, off the event loop (it may take seconds).
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
             except Exception as e:          # a bug here must not leave every consumer hanging
                 logger.exception("the frontend's output reader failed")
                 self.fail_all(f"the frontend's output reader failed: {e!r}")

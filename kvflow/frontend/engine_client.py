@@ -58,7 +58,11 @@ class InProcessEngine:
 
 
 class MultiprocEngine:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 300.0) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.node_rank != 0:
+            raise ValueError(f"node_rank={config.parallel.node_rank}: only node 0 runs the "
+                             "engine and serves requests; start the other nodes with "
+                             "`launch.py serve --headless`")
         self.ctx = zmq.Context()
         self.run_dir = tempfile.mkdtemp(prefix="kvflow-")
         input_address = ipc_address("input", self.run_dir)
@@ -69,12 +73,17 @@ class MultiprocEngine:
                                           FromEngine)
         self.proc = Child("kvflow.core.engine_proc", "EngineCore", config, [
             "--input-address", input_address, "--output-address", output_address,
-            "--startup-timeout", str(startup_timeout),
             "--log-level", str(logging.getLogger().level)])
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
                                            [self.input.sock, self.output.sock], self.run_dir)
-        ready = self._wait_ready(time.monotonic() + startup_timeout)
+        # EngineCore gives up on its workers after the start-up timeout and says why: wait a
+        # little longer, to hear it.
+        try:
+            ready = self._wait_ready(time.monotonic() + config.parallel.startup_timeout + 10)
+        except BaseException:
+            self.shutdown()
+            raise
         self.num_blocks = ready.num_blocks
 
     def _wait_ready(self, deadline: float) -> EngineReady:
@@ -83,7 +92,6 @@ class MultiprocEngine:
             if isinstance(msg, EngineReady):
                 return msg
             if msg is None and time.monotonic() >= deadline:
-                self.shutdown()
                 raise RuntimeError("the engine did not start in time")
 
     def _recv(self, timeout: float | None) -> object:
@@ -105,8 +113,9 @@ class MultiprocEngine:
         return None
 
     def _die(self, reason: str) -> None:
+        """Say it at once; the caller stops what is left (shutdown()), which can take seconds
+        (a worker stuck in a collective is killed only after a grace period)."""
         self.dead = reason
-        self.shutdown()
         raise EngineDeadError(reason)
 
     def _send(self, msg: ToEngine) -> None:

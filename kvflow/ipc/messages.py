@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from kvflow.config import EngineConfig
 from kvflow.sampling_params import SamplingParams
 
 class FinishReason(str, enum.Enum):
@@ -162,11 +163,27 @@ class UtilityResult(_Control):
     result: dict[str, float] = {}
 
 
+class Heartbeat(_Control):
+    """Between EngineCore and a --headless node, both ways, while both live (multi-node)."""
+    node_rank: int
+
+
+class ClusterInfo(msgspec.Struct, frozen=True):
+    """What rank 0 puts in the torch.distributed store for the other nodes: where EngineCore
+    listens, and the configuration every rank must run."""
+    plan_address: str
+    result_address: str
+    control_address: str
+    config: EngineConfig
+
+
 # What each receiver accepts (a tagged union per socket direction).
 ToEngine = EngineRequest | Abort | ResetPrefixCache | GetTimings | Shutdown
 FromEngine = EngineOutputs | EngineReady | ChildFailed | UtilityResult
 ToWorker = StepPlan | Ping | Shutdown
 FromWorker = StepResult | WorkerReady | Pong | ChildFailed
+ToNode = Heartbeat | Shutdown
+FromNode = Heartbeat | ChildFailed
 
 
 

@@ -1,8 +1,10 @@
 """A worker process: one tensor-parallel rank on the bus.
 
 Receives step plans on a SUB socket (broadcast by EngineCore), runs them, and rank 0 pushes
-the step result back. Exits when told to, or at once when its parent (EngineCore) dies: the
-parent holds the write end of a pipe whose read end is polled here, so EOF means orphaned.
+the step result back. Ranks meet in torch.distributed through a TCPStore that rank 0 hosts
+(on several nodes, at --master-addr:--master-port). Exits when told to, or at once when its
+parent (EngineCore, or a --headless node's launcher) dies: the parent holds the write end of a
+pipe whose read end is polled here, so EOF means orphaned.
 Torch is imported inside the process, never by the module's importer.
 """
 from __future__ import annotations
@@ -14,43 +16,60 @@ import signal
 import time
 import traceback
 
+import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.ipc.messages import (ChildFailed, FromWorker, Ping, Pong, Shutdown, StepPlan,
-                                 ToWorker, WorkerReady)
+from kvflow.ipc.messages import (ChildFailed, ClusterInfo, FromWorker, Ping, Pong, Shutdown,
+                                 StepPlan, ToWorker, WorkerReady)
+from kvflow.ipc.network import host_ip, interface_of
 from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
 logger = logging.getLogger(__name__)
+CLUSTER_INFO_KEY = "kvflow/cluster_info"
+
+
+class JoinError(RuntimeError):
+    """torch.distributed's rendezvous failed; the message says where and why."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="kvflow worker process (started by EngineCore)")
+    parser = argparse.ArgumentParser(description="kvflow worker process (started by EngineCore, "
+                                                 "or by a --headless node)")
     for name in ("--rank", "--log-level"):
         parser.add_argument(name, type=int, required=True)
     for name in ("--plan-address", "--result-address", "--dist-address"):
         parser.add_argument(name, required=True)
+    parser.add_argument("--control-address", default="",
+                        help="rank 0 of several nodes: EngineCore's socket for the nodes")
     args, config = child_args(parser)
-    run_worker(config, args.rank, args.plan_address, args.result_address, args.dist_address,
-               args.parent_fd, args.log_level)
+    run_worker(config, args, args.parent_fd)
     # Nothing is left to flush, and the interpreter's teardown of a loaded model takes
     # seconds on a busy machine (while EngineCore waits, or nobody does): exit at once.
     os._exit(0)
 
 
-def run_worker(config: EngineConfig, rank: int, plan_address: str, result_address: str,
-               dist_address: str, parent_fd: int, log_level: int) -> None:
+def run_worker(config: EngineConfig, args: argparse.Namespace, parent_fd: int) -> None:
+    rank = args.rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
-    logging.basicConfig(level=log_level, format=f"%(asctime)s worker{rank} %(message)s")
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s worker{rank} %(message)s")
     ctx = zmq.Context()
-    plans = Channel[ToWorker](make_socket(ctx, zmq.SUB, plan_address, bind=False), ToWorker)
-    results = Channel[FromWorker](make_socket(ctx, zmq.PUSH, result_address, bind=False),
+    plans = Channel[ToWorker](make_socket(ctx, zmq.SUB, args.plan_address, bind=False),
+                              ToWorker)
+    results = Channel[FromWorker](make_socket(ctx, zmq.PUSH, args.result_address, bind=False),
                                   FromWorker)
     try:
-        worker = _start(config, rank, dist_address)
-    except Exception:
-        results.send(ChildFailed(f"worker {rank}", traceback.format_exc()))
+        info = None
+        if rank == 0 and config.parallel.nnodes > 1:
+            info = ClusterInfo(args.plan_address, args.result_address, args.control_address,
+                               config)
+        worker = _start(config, rank, args.dist_address, info)
+    except Exception as e:
+        # Said on this node's log too: with several nodes, EngineCore's is on another machine.
+        error = str(e) if isinstance(e, JoinError) else traceback.format_exc()
+        logger.error("start-up failed: %s", error)
+        results.send(ChildFailed(f"worker {rank}", error))
         time.sleep(0.2)                              # let the message leave before we exit
         return
     results.send(WorkerReady(rank, worker.num_blocks))
@@ -63,22 +82,64 @@ def run_worker(config: EngineConfig, rank: int, plan_address: str, result_addres
         ctx.destroy(linger=0)
 
 
-def _start(config: EngineConfig, rank: int, dist_address: str):  # type: ignore[no-untyped-def]
-    import torch.distributed as dist
-
+def _start(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[no-untyped-def]
+           info: ClusterInfo | None):
     from kvflow.workers.layers.parallel import TPGroup
     from kvflow.workers.worker import Worker, resolve_device
-    size = config.parallel.tensor_parallel_size
+    parallel = config.parallel
     tp = TPGroup()
-    if size > 1:
-        # One GPU per rank (cuda:rank, made current by resolve_device) and NCCL between them;
-        # gloo on CPU. The layers only see TPGroup either way.
-        device = resolve_device(config.device, rank)
-        on_cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=dist_address,
-                                rank=rank, world_size=size, device_id=device if on_cuda else None)
-        tp = TPGroup(rank, size, dist.group.WORLD)
+    if parallel.tensor_parallel_size > 1:
+        # One GPU per rank of this node (cuda:local_rank) and NCCL between them; gloo on CPU.
+        # The layers only see TPGroup either way.
+        device = resolve_device(config.device, rank % parallel.ranks_per_node)
+        group = join_group(config, rank, dist_address, device, info)
+        tp = TPGroup(rank, parallel.tensor_parallel_size, group)
     return Worker(config, tp)
+
+
+def join_group(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[no-untyped-def]
+               device, info: ClusterInfo | None):
+    """torch.distributed over an explicit TCPStore that rank 0 hosts, so that every wait has
+    the start-up timeout (gloo's default is 30 minutes). With several nodes, rank 0 also puts
+    `info` in the store (the headless nodes read it there), and gloo is given the interface of
+    this node's address unless GLOO_SOCKET_IFNAME says otherwise."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    parallel = config.parallel
+    timeout = timedelta(seconds=parallel.startup_timeout)
+    host, port = dist_address.removeprefix("tcp://").rsplit(":", 1)
+    on_cuda = device.type == "cuda"
+    where = f"the store at {host}:{port}"
+    if parallel.nnodes > 1 and not on_cuda:
+        where += choose_gloo_interface(parallel.master_addr, parallel.store_port)
+    try:
+        store = dist.TCPStore(host, int(port), is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        if info is not None:
+            store.set(CLUSTER_INFO_KEY, msgspec.msgpack.encode(info))  # type: ignore[arg-type]
+        dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank,
+                                world_size=parallel.tensor_parallel_size, timeout=timeout,
+                                device_id=device if on_cuda else None)
+    except Exception as e:
+        raise JoinError(f"rank {rank} could not join the tensor-parallel group ({where}, "
+                           f"start-up timeout {parallel.startup_timeout:g} s): {e}") from None
+    return dist.group.WORLD
+
+
+def choose_gloo_interface(master_addr: str, master_port: int) -> str:
+    """Set GLOO_SOCKET_IFNAME to the interface of this node's address when unset; says which
+    interface gloo uses, for error messages."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return f", GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']!r} (set by the user)"
+    ip = host_ip(master_addr, master_port)
+    name = interface_of(ip)
+    if name is None:
+        return f", no interface holds this node's address {ip}; set GLOO_SOCKET_IFNAME"
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    logger.info("gloo uses interface %s (%s); set GLOO_SOCKET_IFNAME to choose another",
+                name, ip)
+    return f", GLOO_SOCKET_IFNAME={name!r} (the interface of {ip})"
 
 
 def _loop(worker, rank: int, plans: Channel, results: Channel,  # type: ignore[no-untyped-def]

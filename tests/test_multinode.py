@@ -1,0 +1,316 @@
+"""Multi-node tensor parallelism: `launch.py serve --nnodes 2 --node-rank 0` plus
+`launch.py serve --headless --node-rank 1`, as two processes on 127.0.0.1 and as two network
+namespaces joined by a veth pair (each "node" with its own address and interface).
+
+- TP=2 across the nodes gives the greedy tokens of TP=1 (in-process, float32, the same weights).
+- A worker SIGKILLed on node 1, or the wire between the nodes cut: the request in flight fails
+  with EngineDeadError within 5 s, and the engine's processes on both nodes exit (node 0's
+  launcher stays up to tell clients why, as with one node: tests/test_cluster_faults.py).
+- Node 0 gone (stopped, or SIGKILLed whole): the headless node exits by itself.
+- A node that never joins, an unreachable master, a wrong GLOO_SOCKET_IFNAME: a clear error
+  within the start-up timeout, nothing left running.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from cluster_helpers import (ServeProcess, exited, free_port, is_module, tagged_processes,
+                             wait_exited, WORKER_MODULE)
+from kvflow import LLM, Client, EngineDeadError, SamplingParams
+from kvflow.config import make_engine_config
+from kvflow.core.executor import HEARTBEAT_TIMEOUT
+from kvflow.ipc.network import host_ip, interface_of
+from kvflow.workers.headless import joined_config
+from netns import NamespacePair, Unavailable
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+PROMPTS: list[Any] = ["Hello, my name is", "The capital of France is", [7] * 45]
+DEATH_BOUND = 5.0
+KV_GB = 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models: dict[str, str]) -> str:
+    return tiny_models["llama"]          # 4 heads, 2 KV heads: splits over 2 ranks
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: str) -> list[list[int]]:
+    with LLM(tiny, in_process=True, kv_cache_memory_gb=KV_GB, dtype="float32") as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture
+def netns():
+    try:
+        pair = NamespacePair()
+    except Unavailable as e:
+        pytest.skip(f"two network namespaces cannot be made here: {e}")
+    yield pair
+    pair.close()
+
+
+@pytest.fixture
+def nodes():
+    """start(node_rank, model, master_addr, master_port, *args, **kw) -> ServeProcess; every
+    node's processes are killed at the end, whatever happened."""
+    started: list[ServeProcess] = []
+
+    def start(node_rank: int, model: str, master_addr: str, master_port: int, *args: str,
+              **kw: Any) -> ServeProcess:
+        flags = ["--tp", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr",
+                 master_addr, "--master-port", str(master_port), *args]
+        if node_rank:
+            flags.append("--headless")
+            kw.setdefault("zmq", False)
+        else:
+            flags += ["--dtype", "float32"]      # node 1 takes node 0's configuration
+        s = ServeProcess(*flags, model=model, kv_cache_memory_gb=KV_GB, **kw)
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.cleanup()
+
+
+def generate(address: str) -> list[list[int]]:
+    with Client(address, timeout=60) as c:
+        return [c.generate(p, GREEDY).token_ids for p in PROMPTS]
+
+
+class LongRequest:
+    """One long streamed request in a thread; `outcome` is (exception or "finished", when)."""
+
+    def __init__(self, address: str) -> None:
+        self.outcome: list[tuple[Any, float]] = []
+        self.streaming = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(address,), daemon=True)
+        self.thread.start()
+        assert self.streaming.wait(60), self.outcome
+
+    def _run(self, address: str) -> None:
+        try:
+            with Client(address, timeout=60) as c:
+                for _ in c.stream("Once upon a time", LONG):
+                    self.streaming.set()
+            self.outcome.append(("finished", time.monotonic()))
+        except Exception as e:
+            self.outcome.append((e, time.monotonic()))
+
+    def result(self, timeout: float) -> tuple[Any, float]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the request still blocked after {timeout} s"
+        return self.outcome[0]
+
+
+def wait_exit(s: ServeProcess, timeout: float) -> int:
+    try:
+        return s.wait(timeout)
+    except Exception:
+        raise AssertionError(f"launch.py did not exit within {timeout} s:\n{s.log}") from None
+
+
+def engine_side(node0: ServeProcess) -> list:
+    """Node 0's processes but its launcher (which stays up by design)."""
+    return node0.started[1:]
+
+
+def assert_dead_quickly(request: LongRequest, killed_at: float, match: str) -> float:
+    err, at = request.result(DEATH_BOUND + 10)
+    assert isinstance(err, EngineDeadError), repr(err)
+    assert re.search(match, str(err)), str(err)
+    print(f"\n[latency] failure -> EngineDeadError on the client: {at - killed_at:.3f} s")
+    assert at - killed_at < DEATH_BOUND
+    return at
+
+
+# --- configuration: no processes ------------------------------------------------------------
+
+def test_layout_errors(tiny: str) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must be a multiple of nnodes=4"):
+        make_engine_config(tiny, tensor_parallel_size=2, nnodes=4)
+    with pytest.raises(ValueError, match=r"node_rank=2 must be in \[0, nnodes=2\)"):
+        make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="startup_timeout=0 must be > 0"):
+        make_engine_config(tiny, startup_timeout=0)
+    config = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2)
+    assert config.parallel.master_port == 29501                # vLLM's default
+    assert list(config.parallel.node_ranks(1)) == [1]
+    assert make_engine_config(tiny).parallel.master_port is None  # one node: a free port
+    with pytest.raises(ValueError, match="node_rank=1: only node 0 runs the engine.*--headless"):
+        LLM(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1)
+
+
+def test_headless_node_takes_node_0s_configuration(tiny_models: dict[str, str]) -> None:
+    tiny = tiny_models["llama"]
+    node0 = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, dtype="float32",
+                               block_size=32, num_threads=1)
+    mine = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1,
+                              num_threads=2)
+    joined = joined_config(node0, mine)
+    assert joined.model.dtype == "float32" and joined.cache.block_size == 32
+    assert joined.num_threads == 2 and joined.parallel.node_rank == 1
+    with pytest.raises(ValueError, match="nnodes=1 on this node but 2 on node 0"):
+        joined_config(node0, make_engine_config(tiny, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="is not the model node 0 serves"):
+        joined_config(make_engine_config(tiny_models["qwen3"], tensor_parallel_size=2, nnodes=2),
+                      make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1))
+
+
+def test_node_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert host_ip("127.0.0.1", 29501) == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None                  # TEST-NET-1: nobody's
+    monkeypatch.setenv("KVFLOW_HOST_IP", "192.0.2.1")
+    assert host_ip("127.0.0.1", 29501) == "192.0.2.1"
+    monkeypatch.delenv("KVFLOW_HOST_IP")
+    with pytest.raises(ValueError, match="master_addr='no-such-host.invalid' does not resolve"):
+        host_ip("no-such-host.invalid", 29501)
+
+
+# --- two processes on 127.0.0.1 -------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_loopback_two_nodes(nodes, tiny: str, reference: list[list[int]], how: str) -> None:
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port)
+    node1 = nodes(1, tiny, "127.0.0.1", port)
+    node0.wait_serving()
+    assert generate(node0.address) == reference
+    node1.started = node1.tree()
+    assert len([p for p in node1.started if is_module(p, WORKER_MODULE)]) == 1
+    # Node 0 goes away: stopped cleanly, or all its processes killed at once.
+    gone_at = time.monotonic()
+    if how == "sigterm":
+        node0.signal(signal.SIGTERM)
+        assert wait_exit(node0, 15) == 0, node0.log
+        assert wait_exit(node1, 10) == 0, node1.log
+        assert "EngineCore shut the cluster down" in node1.log
+    else:
+        os.killpg(node0.pid, signal.SIGKILL)
+        assert wait_exit(node1, HEARTBEAT_TIMEOUT + 5) == 1, node1.log
+        assert "no heartbeat from EngineCore (node 0)" in node1.log
+    print(f"\n[latency] node 0 {how} -> headless node exited: {time.monotonic() - gone_at:.2f} s")
+    assert not wait_exited(node1.started, 5)
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
+
+
+def test_node_that_never_joins(nodes, tiny: str) -> None:
+    start = time.monotonic()
+    node0 = nodes(0, tiny, "127.0.0.1", free_port(), "--startup-timeout", "6")
+    assert wait_exit(node0, 60) != 0
+    took = time.monotonic() - start
+    assert ("error: EngineCore failed: node(s) [1] (ranks [1]) did not join within the "
+            "start-up timeout (6 s): start `launch.py serve --headless") in node0.log, node0.log
+    print(f"\n[latency] node 1 missing -> node 0's error after {took:.1f} s (timeout 6 s)")
+    assert not tagged_processes(node0.tag)
+
+
+def test_unreachable_master_loopback(nodes, tiny: str) -> None:
+    port = free_port()                         # nothing listens there
+    start = time.monotonic()
+    node1 = nodes(1, tiny, "127.0.0.1", port, "--startup-timeout", "4")
+    assert wait_exit(node1, 60) == 1
+    assert (f"node 1 could not reach node 0's store at 127.0.0.1:{port} within the start-up "
+            "timeout") in node1.log, node1.log
+    print(f"\n[latency] unreachable master -> error after {time.monotonic() - start:.1f} s "
+          "(timeout 4 s, plus start-up)")
+    assert not tagged_processes(node1.tag)
+
+
+# --- two network namespaces, each with its own address ----------------------------------------
+
+def start_pair(nodes, netns: NamespacePair, model: str, tmp_path: Any, *args: str,
+               env1: dict[str, str] | None = None) -> tuple[ServeProcess, ServeProcess]:
+    port = free_port()
+    master = netns.ips[0]
+    # Clients reach node 0 through a Unix socket: the file system is shared, the network not.
+    node0 = nodes(0, model, master, port, *args, prefix=netns.enter(0),
+                  address=f"ipc://{tmp_path}/client")
+    node1 = nodes(1, model, master, port, *args, prefix=netns.enter(1), env=env1)
+    return node0, node1
+
+
+def test_namespaces_tp2_then_remote_worker_killed(nodes, netns: NamespacePair, tiny: str,
+                                                  reference: list[list[int]],
+                                                  tmp_path: Any) -> None:
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path)
+    node0.wait_serving()
+    assert generate(node0.address) == reference
+    # Each node's gloo took the interface of its own address.
+    assert f"gloo uses interface {netns.links[0]} ({netns.ips[0]})" in node0.log
+    assert f"gloo uses interface {netns.links[1]} ({netns.ips[1]})" in node1.log
+
+    node1.started = node1.tree()
+    [remote_worker] = [p for p in node1.started if is_module(p, WORKER_MODULE)]
+    request = LongRequest(node0.address)
+    killed_at = time.monotonic()
+    remote_worker.kill()
+    assert_dead_quickly(request, killed_at, r"worker 1 failed")
+    with Client(node0.address, timeout=DEATH_BOUND) as c, pytest.raises(EngineDeadError):
+        c.generate("Hi", GREEDY)                     # a new request fails at once too
+    survivors = wait_exited([*engine_side(node0), *node1.started],
+                            max(0.0, killed_at + DEATH_BOUND - time.monotonic()))
+    assert not survivors, [p.cmdline() for p in survivors]
+    assert wait_exit(node1, 1) == 1
+    print(f"\n[latency] SIGKILL remote worker -> every engine process on both nodes exited: "
+          f"{time.monotonic() - killed_at:.2f} s")
+    assert not exited(node0.started[0])              # node 0's launcher tells clients why
+    node0.signal(signal.SIGTERM)
+    assert wait_exit(node0, 15) == 0, node0.log
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
+
+
+def test_namespaces_wire_cut(nodes, netns: NamespacePair, tiny: str, tmp_path: Any) -> None:
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path)
+    node0.wait_serving()
+    node1.started = node1.tree()
+    request = LongRequest(node0.address)
+    cut_at = time.monotonic()
+    netns.set_link(1, "down")                        # node 1 is unreachable, nobody died
+    assert_dead_quickly(request, cut_at, r"node 1 \(ranks \[1\]\) sent no heartbeat")
+    survivors = wait_exited(engine_side(node0), max(0.0, cut_at + DEATH_BOUND - time.monotonic()))
+    assert not survivors, [p.cmdline() for p in survivors]
+    # Node 1, cut off, hears nothing from node 0 and stops itself (its worker may sit in a
+    # collective that never ends: it is killed).
+    assert wait_exit(node1, HEARTBEAT_TIMEOUT + 8) == 1, node1.log
+    assert "no heartbeat from EngineCore (node 0)" in node1.log
+    assert not wait_exited(node1.started, 5)
+    print(f"\n[latency] wire cut -> both nodes' engine processes exited: "
+          f"{time.monotonic() - cut_at:.2f} s")
+    node0.signal(signal.SIGTERM)
+    assert wait_exit(node0, 15) == 0, node0.log
+
+
+def test_namespaces_unreachable_master(nodes, netns: NamespacePair, tiny: str) -> None:
+    wrong = netns.ips[0].rsplit(".", 1)[0] + ".99"   # on the wire's subnet, nobody there
+    start = time.monotonic()
+    node1 = nodes(1, tiny, wrong, free_port(), "--startup-timeout", "5", prefix=netns.enter(1))
+    assert wait_exit(node1, 60) == 1
+    assert f"node 1 could not reach node 0's store at {wrong}:" in node1.log, node1.log
+    print(f"\n[latency] unreachable master -> error after {time.monotonic() - start:.1f} s")
+    assert not tagged_processes(node1.tag)
+
+
+def test_namespaces_wrong_interface(nodes, netns: NamespacePair, tiny: str,
+                                    tmp_path: Any) -> None:
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path, "--startup-timeout", "30",
+                              env1={"GLOO_SOCKET_IFNAME": "kvnosuch0"})
+    start = time.monotonic()
+    assert wait_exit(node0, 60) != 0
+    for log in (node0.log, node1.log):               # said on both nodes
+        assert ("rank 1 could not join the tensor-parallel group (the store at "
+                f"{netns.ips[0]}:") in log, log
+        assert "GLOO_SOCKET_IFNAME='kvnosuch0' (set by the user)" in log
+    wait_exit(node1, 10)
+    print(f"\n[latency] wrong GLOO_SOCKET_IFNAME -> node 0's error after "
+          f"{time.monotonic() - start:.1f} s")
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
