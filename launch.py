@@ -82,7 +82,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "29501 with several nodes, a free port with one)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds for every rank on every node to load and join; then "
-                             "start-up fails naming the ranks missing")
+                             "start-up fails naming the ranks missing (also torch.distributed's "
+                             "limit for one collective)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

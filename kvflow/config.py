@@ -64,6 +64,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
 
+    def local_rank(self, rank: int) -> int:
+        """A rank's index on its own node (its GPU there: cuda:local_rank)."""
+        return rank % self.ranks_per_node
+
     def node_ranks(self, node: int) -> range:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 

@@ -144,6 +144,9 @@ def test_layout_errors(tiny: str) -> None:
     config = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2)
     assert config.parallel.master_port == 29501                # vLLM's default
     assert list(config.parallel.node_ranks(1)) == [1]
+    four = make_engine_config(tiny, tensor_parallel_size=4, nnodes=2).parallel
+    assert [four.local_rank(r) for r in range(4)] == [0, 1, 0, 1]     # cuda:0, cuda:1 per node
+    assert list(four.node_ranks(1)) == [2, 3]
     assert make_engine_config(tiny).parallel.master_port is None  # one node: a free port
     with pytest.raises(ValueError, match="node_rank=1: only node 0 runs the engine.*--headless"):
         LLM(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1)
@@ -212,6 +215,21 @@ def test_node_that_never_joins(nodes, tiny: str) -> None:
             "start-up timeout (6 s): start `launch.py serve --headless") in node0.log, node0.log
     print(f"\n[latency] node 1 missing -> node 0's error after {took:.1f} s (timeout 6 s)")
     assert not tagged_processes(node0.tag)
+
+
+def test_node_with_another_model(nodes, tiny_models: dict[str, str]) -> None:
+    """Node 1 started for another model: both nodes stop at once, saying so."""
+    port = free_port()
+    node0 = nodes(0, tiny_models["llama"], "127.0.0.1", port, "--startup-timeout", "60")
+    node1 = nodes(1, tiny_models["qwen3"], "127.0.0.1", port, "--startup-timeout", "60")
+    start = time.monotonic()
+    assert wait_exit(node1, 60) == 1
+    assert wait_exit(node0, 30) != 0
+    assert "is not the model node 0 serves" in node1.log, node1.log
+    assert "error: EngineCore failed: node 1 failed: model=" in node0.log, node0.log
+    print(f"\n[latency] node 1 with another model -> both nodes' errors after "
+          f"{time.monotonic() - start:.1f} s (start-up timeout 60 s)")
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
 
 
 def test_unreachable_master_loopback(nodes, tiny: str) -> None:

@@ -56,7 +56,8 @@ class MultiprocExecutor:
         if self.nodes is None:
             plan_address = ipc_address("plans", run_dir)
             result_address = ipc_address("results", run_dir)
-            dist_address = free_tcp_address()
+            dist_address = (tcp_address("127.0.0.1", parallel.master_port)
+                            if parallel.master_port else free_tcp_address())
         else:                  # tcp on a free port of this node's address: other nodes connect
             plan_address = result_address = self.nodes.any_port
             dist_address = tcp_address(parallel.master_addr, parallel.store_port)
@@ -66,6 +67,10 @@ class MultiprocExecutor:
         plan_address, result_address = (bound_address(c.sock) for c in (self.plans,
                                                                          self.results))
         control = ["--control-address", self.nodes.address] if self.nodes else []
+        if self.nodes:
+            logger.info("EngineCore listens for the other nodes on %s (plans), %s (results), "
+                        "%s (heartbeats); the store is at %s", plan_address, result_address,
+                        self.nodes.address, dist_address)
         self.procs = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
             "--rank", str(rank), "--plan-address", plan_address, "--result-address",
             result_address, "--dist-address", dist_address, *control,

@@ -77,10 +77,10 @@ class MultiprocEngine:
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
                                            [self.input.sock, self.output.sock], self.run_dir)
-        # EngineCore gives up on its workers after the start-up timeout and says why: wait a
-        # little longer, to hear it.
+        # EngineCore gives up on its workers after the start-up timeout (loading, then the
+        # handshake) and says why: wait longer, to hear it (its death is seen at once anyway).
         try:
-            ready = self._wait_ready(time.monotonic() + config.parallel.startup_timeout + 10)
+            ready = self._wait_ready(time.monotonic() + 2 * config.parallel.startup_timeout + 30)
         except BaseException:
             self.shutdown()
             raise
@@ -168,6 +168,11 @@ class MultiprocEngine:
     @property
     def sentinel(self) -> int:
         return self.proc.sentinel
+
+    def reap(self) -> None:
+        """After EngineDeadError: wait for EngineCore to exit (kill it after 5 s). Touches no
+        socket, so it may run in another thread than the one using them."""
+        self.proc.stop(5)
 
     def shutdown(self) -> None:
         if self.dead is None:

@@ -33,6 +33,7 @@ class Child:
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()
         self.sentinel = os.pidfd_open(self.proc.pid)
+        self._stopping = threading.Lock()      # stop() may be called from two threads
 
     @property
     def pid(self) -> int:
@@ -45,15 +46,27 @@ class Child:
     def stop(self, timeout: float) -> None:
         """Give a child that was asked to stop a moment, then close our pipe end (it sees its
         parent go), wait, and kill it if it is still there."""
+        with self._stopping:
+            self._stop(timeout)
+
+    def _wait(self, timeout: float) -> None:
+        """Reap the child once it exits (its pidfd wakes us at once; Popen.wait(timeout) would
+        poll); subprocess.TimeoutExpired if it is still running after `timeout`."""
+        if self.sentinel >= 0:
+            select.select([self.sentinel], [], [], timeout)
+            timeout = 0
+        self.proc.wait(timeout)
+
+    def _stop(self, timeout: float) -> None:
         try:
-            self.proc.wait(min(1.0, timeout))
+            self._wait(min(1.0, timeout))
         except subprocess.TimeoutExpired:
             pass
         if self.parent_fd >= 0:
             os.close(self.parent_fd)
             self.parent_fd = -1
         try:
-            self.proc.wait(timeout)
+            self._wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)

@@ -19,6 +19,7 @@ import logging
 import signal
 import time
 from datetime import timedelta
+from typing import Any
 
 import msgspec
 import zmq
@@ -40,23 +41,34 @@ def run_headless(local: EngineConfig) -> int:
     if p.nnodes < 2 or p.node_rank == 0:
         raise ValueError(f"--headless runs a node other than node 0 of several (--nnodes >= 2, "
                          f"--node-rank >= 1), not nnodes={p.nnodes} node_rank={p.node_rank}")
-    info = _read_cluster_info(local)
-    config = joined_config(info.config, local)
+    store, info = _read_cluster_info(local)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stopping.append("SIGINT"))
     ctx = zmq.Context()
     control = Channel[ToNode](make_socket(ctx, zmq.DEALER, info.control_address, bind=False,
                                           identity=f"node{p.node_rank}".encode()), ToNode)
-    ranks = list(p.node_ranks(p.node_rank))
-    dist_address = tcp_address(p.master_addr, p.store_port)
-    children = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
-        "--rank", str(rank), "--plan-address", info.plan_address, "--result-address",
-        info.result_address, "--dist-address", dist_address,
-        "--log-level", str(logging.getLogger().level)]) for rank in ranks]
-    logger.info("node %d: workers for ranks %s started; EngineCore at %s", p.node_rank, ranks,
-                info.control_address)
+    children: list[Child] = []
     try:
+        try:
+            config = joined_config(info.config, local)
+            # Claimed only once this node is known to fit: a node that failed above may be
+            # started again with the same rank.
+            if store.add(f"kvflow/node/{p.node_rank}", 1) != 1:
+                raise ValueError(f"node_rank={p.node_rank} has already joined this cluster: "
+                                 "give every node its own --node-rank")
+        except ValueError as e:                      # node 0 learns why at once, not at its
+            control.send(ChildFailed(f"node {p.node_rank}", str(e)))     # start-up timeout
+            time.sleep(0.2)
+            raise
+        ranks = list(p.node_ranks(p.node_rank))
+        dist_address = tcp_address(p.master_addr, p.store_port)
+        children = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
+            "--rank", str(rank), "--plan-address", info.plan_address, "--result-address",
+            info.result_address, "--dist-address", dist_address,
+            "--log-level", str(logging.getLogger().level)]) for rank in ranks]
+        logger.info("node %d: workers for ranks %s started; EngineCore at %s", p.node_rank,
+                    ranks, info.control_address)
         return _watch(control, children, ranks, p.node_rank, stopping)
     finally:
         deadline = time.monotonic() + 1           # after a Shutdown they are already going;
@@ -65,26 +77,24 @@ def run_headless(local: EngineConfig) -> int:
         ctx.destroy(linger=0)
 
 
-def _read_cluster_info(local: EngineConfig) -> ClusterInfo:
+def _read_cluster_info(local: EngineConfig) -> tuple[Any, ClusterInfo]:
+    """Node 0's store (a client of it) and what rank 0 put there, all within one start-up
+    timeout."""
     import torch.distributed as dist
     p = local.parallel
-    where = f"node 0's store at {p.master_addr}:{p.master_port}"
+    deadline = time.monotonic() + p.startup_timeout
     try:
         wait_reachable(p.master_addr, p.store_port, p.startup_timeout)
+        left = max(1.0, deadline - time.monotonic())
         store = dist.TCPStore(p.master_addr, p.store_port, is_master=False,
-                              timeout=timedelta(seconds=p.startup_timeout),
-                              wait_for_workers=False)
-        if store.add(f"kvflow/node/{p.node_rank}", 1) != 1:
-            raise ValueError(f"node_rank={p.node_rank} has already joined this cluster: give "
-                             "every node its own --node-rank")
+                              timeout=timedelta(seconds=left), wait_for_workers=False)
         data = store.get(CLUSTER_INFO_KEY)           # waits for rank 0 to put it there
-    except ValueError:
-        raise
     except Exception as e:                           # ours or torch's timeout/connection errors
-        raise RuntimeError(f"node {p.node_rank} could not reach {where} within the start-up "
-                           f"timeout: {e}; is node 0 started, and is --master-addr its "
-                           "address as seen from here?") from None
-    return msgspec.msgpack.decode(data, type=ClusterInfo)
+        raise RuntimeError(f"node {p.node_rank} could not reach node 0's store at "
+                           f"{p.master_addr}:{p.store_port} within the start-up timeout "
+                           f"({p.startup_timeout:g} s): {e}; is node 0 started, and is "
+                           "--master-addr its address as seen from here?") from None
+    return store, msgspec.msgpack.decode(data, type=ClusterInfo)
 
 
 def joined_config(node0: EngineConfig, local: EngineConfig) -> EngineConfig:

@@ -70,7 +70,8 @@ class Worker:
 
     def _place(self) -> tuple[torch.device, torch.dtype]:
         torch.set_num_threads(self.config.num_threads)
-        device = resolve_device(self.config.device, self.tp.rank)
+        device = resolve_device(self.config.device,
+                                self.config.parallel.local_rank(self.tp.rank))
         choice = resolve_dtype(self.config.model.dtype, device, self.config.model.hf_config)
         if self.tp.rank == 0:
             log = logger.warning if choice.slow else logger.info

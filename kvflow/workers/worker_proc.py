@@ -91,7 +91,7 @@ def _start(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[n
     if parallel.tensor_parallel_size > 1:
         # One GPU per rank of this node (cuda:local_rank) and NCCL between them; gloo on CPU.
         # The layers only see TPGroup either way.
-        device = resolve_device(config.device, rank % parallel.ranks_per_node)
+        device = resolve_device(config.device, parallel.local_rank(rank))
         group = join_group(config, rank, dist_address, device, info)
         tp = TPGroup(rank, parallel.tensor_parallel_size, group)
     return Worker(config, tp)
