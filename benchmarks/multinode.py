@@ -13,9 +13,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiprocess import timed_generate  # noqa: E402
 from throughput import add_workload_args, make_workload  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,11 +29,8 @@ def free_port() -> int:
 
 def run(args: argparse.Namespace, nnodes: int, prompts: list[list[int]],
         outputs: list[int]) -> tuple[float, dict[str, float]]:
-    from kvflow import LLM, SamplingParams
-    from kvflow.ipc.messages import GetTimings
+    from kvflow import LLM
     port = free_port()
-    common = dict(dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                  load_format=args.load_format)
     headless = [subprocess.Popen(
         [sys.executable, os.path.join(REPO, "launch.py"), "serve", "--headless", "--model",
          args.model, "--tp", str(args.tp), "--nnodes", str(nnodes), "--node-rank", str(n),
@@ -42,15 +39,10 @@ def run(args: argparse.Namespace, nnodes: int, prompts: list[list[int]],
         for n in range(1, nnodes)]
     try:
         llm = LLM(args.model, tensor_parallel_size=args.tp, max_num_seqs=args.num_requests,
-                  nnodes=nnodes, master_port=port, num_threads=args.num_threads, **common)
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert [len(o.token_ids) for o in outs] == outputs
-        timings = llm.engine.utility(GetTimings(0))  # type: ignore[union-attr]
-        llm.shutdown()
+                  nnodes=nnodes, master_port=port, num_threads=args.num_threads,
+                  dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  load_format=args.load_format)
+        return timed_generate(llm, prompts, outputs)
     finally:
         for p in headless:
             try:
@@ -58,7 +50,6 @@ def run(args: argparse.Namespace, nnodes: int, prompts: list[list[int]],
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    return sum(outputs) / elapsed, timings
 
 
 def main() -> None:

@@ -16,22 +16,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from throughput import add_workload_args, make_workload  # noqa: E402
 
 
-def run(args: argparse.Namespace, in_process: bool, prompts: list[list[int]],
-        outputs: list[int]) -> tuple[float, dict[str, float]]:
-    from kvflow import LLM, SamplingParams
+def timed_generate(llm, prompts: list[list[int]],  # type: ignore[no-untyped-def]
+                   outputs: list[int]) -> tuple[float, dict[str, float]]:
+    """Output tok/s of the workload after a warm-up, and EngineCore's timings (multi-process
+    engines; {} in-process). Shuts the LLM down."""
+    from kvflow import SamplingParams
+    from kvflow.frontend.engine_client import MultiprocEngine
     from kvflow.ipc.messages import GetTimings
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              max_num_seqs=args.num_requests, load_format=args.load_format,
-              in_process=in_process)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert [len(o.token_ids) for o in outs] == outputs
-    timings = {} if in_process else llm.engine.utility(GetTimings(0))  # type: ignore[union-attr]
+    timings = (llm.engine.utility(GetTimings(0)) if isinstance(llm.engine, MultiprocEngine)
+               else {})
     llm.shutdown()
     return sum(outputs) / elapsed, timings
+
+
+def run(args: argparse.Namespace, in_process: bool, prompts: list[list[int]],
+        outputs: list[int]) -> tuple[float, dict[str, float]]:
+    from kvflow import LLM
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+              max_num_seqs=args.num_requests, load_format=args.load_format,
+              in_process=in_process)
+    return timed_generate(llm, prompts, outputs)
 
 
 def main() -> None:
