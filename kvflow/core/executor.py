@@ -11,7 +11,6 @@ import logging
 import socket
 import time
 
-import msgspec
 import zmq
 
 from kvflow.config import EngineConfig, ParallelConfig
@@ -202,7 +201,7 @@ class RemoteNodes:
         self.address = bound_address(self.control.sock)
         self.last_seen: dict[int, float] = {}       # node rank -> when it last spoke
         self.identities: dict[int, bytes] = {}
-        self._reply = msgspec.msgpack.Encoder().encode(Heartbeat(0))
+        self._reply = self.control.encoder.encode(Heartbeat(0))
 
     def service(self) -> None:
         """Answer heartbeats; raise WorkerFailure for a failed or silent node."""
@@ -239,7 +238,7 @@ class RemoteNodes:
                 f"must reach {p.master_addr}:{p.master_port} and this node's {self.ip}")
 
     def shutdown(self) -> None:
-        data = msgspec.msgpack.Encoder().encode(Shutdown())
+        data = self.control.encoder.encode(Shutdown())
         for identity in self.identities.values():
             self.control.sock.send_multipart([identity, data], zmq.NOBLOCK)
         self.control.sock.close(linger=1000)

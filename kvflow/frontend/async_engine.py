@@ -126,7 +126,6 @@ class AsyncEngine:
                                                     time.time())])
         except EngineDeadError as e:
             self.fail_all(str(e))
-            asyncio.get_running_loop().run_in_executor(None, self.engine.reap)
             raise
         self.streams[request_id] = stream
         self.num_sent += 1
@@ -150,9 +149,6 @@ class AsyncEngine:
                     self._apply(out)
             except EngineDeadError as e:
                 self.fail_all(str(e))
-                # Then reap what is left, off the event loop (it may take seconds); the
-                # sockets are closed by shutdown(), on this thread.
-                await asyncio.get_running_loop().run_in_executor(None, self.engine.reap)
             except Exception as e:          # a bug here must not leave every consumer hanging
                 logger.exception("the frontend's output reader failed")
                 self.fail_all(f"the frontend's output reader failed: {e!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 
@@ -113,9 +114,12 @@ class MultiprocEngine:
         return None
 
     def _die(self, reason: str) -> None:
-        """Say it at once; the caller stops what is left (shutdown()), which can take seconds
-        (a worker stuck in a collective is killed only after a grace period)."""
+        """Say it at once. EngineCore is reaped in a thread meanwhile (it may take seconds: a
+        worker stuck in a collective is killed only after a grace period); the sockets stay
+        for shutdown(), on the caller's thread."""
         self.dead = reason
+        threading.Thread(target=self.proc.stop, args=(5,), daemon=True,
+                         name="kvflow-reap").start()
         raise EngineDeadError(reason)
 
     def _send(self, msg: ToEngine) -> None:
@@ -168,11 +172,6 @@ class MultiprocEngine:
     @property
     def sentinel(self) -> int:
         return self.proc.sentinel
-
-    def reap(self) -> None:
-        """After EngineDeadError: wait for EngineCore to exit (kill it after 5 s). Touches no
-        socket, so it may run in another thread than the one using them."""
-        self.proc.stop(5)
 
     def shutdown(self) -> None:
         if self.dead is None:

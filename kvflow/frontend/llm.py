@@ -8,7 +8,6 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from kvflow.config import EngineOptions, make_engine_config
-from kvflow.errors import EngineDeadError
 from kvflow.frontend.engine_client import InProcessEngine, MultiprocEngine
 from kvflow.frontend.model_files import resolve_model
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
@@ -108,15 +107,6 @@ class LLM:
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
         engine = self._engine()
-        try:
-            return self._generate(engine, trackers, use_tqdm)
-        except EngineDeadError:
-            if isinstance(engine, MultiprocEngine):
-                engine.reap()                    # no zombie; later calls raise again
-            raise
-
-    def _generate(self, engine: InProcessEngine | MultiprocEngine,
-                  trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
         now = time.time()
         engine.add_requests([EngineRequest(t.output.request_id, t.output.prompt_token_ids,
                                            t.params, now) for t in trackers])

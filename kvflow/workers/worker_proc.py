@@ -44,13 +44,13 @@ def main() -> None:
     parser.add_argument("--control-address", default="",
                         help="rank 0 of several nodes: EngineCore's socket for the nodes")
     args, config = child_args(parser)
-    run_worker(config, args, args.parent_fd)
+    run_worker(config, args)
     # Nothing is left to flush, and the interpreter's teardown of a loaded model takes
     # seconds on a busy machine (while EngineCore waits, or nobody does): exit at once.
     os._exit(0)
 
 
-def run_worker(config: EngineConfig, args: argparse.Namespace, parent_fd: int) -> None:
+def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
     rank = args.rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s worker{rank} %(message)s")
@@ -74,7 +74,7 @@ def run_worker(config: EngineConfig, args: argparse.Namespace, parent_fd: int) -
         return
     results.send(WorkerReady(rank, worker.num_blocks))
     try:
-        _loop(worker, rank, plans, results, parent_fd)
+        _loop(worker, rank, plans, results, args.parent_fd)
     except Exception:
         results.send(ChildFailed(f"worker {rank}", traceback.format_exc()))
         time.sleep(0.2)
