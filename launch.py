@@ -84,8 +84,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds for every rank on every node to load and join; then "
                              "start-up fails naming the ranks missing (also torch.distributed's "
                              "limit for one collective)")
+    parser.add_argument("--step-timeout", type=float, default=60.0,
+                        help="seconds after which an unfinished step (plus 10x its expected "
+                             "time, from the steps before it) counts as a hung worker, and "
+                             "EngineCore silent that long as hung: the engine is restarted")
+    parser.add_argument("--max-engine-restarts", type=int, default=3,
+                        help="restarts of a dead or hung engine (EngineCore or a worker) within "
+                             "10 minutes, every unfinished request resumed; then the server "
+                             "gives up and answers 503 (0: fail-stop, as vLLM)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -97,14 +112,15 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def start_cluster(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The frontend's pieces: config, tokenizer, the EngineCore child (with its workers)."""
     from kvflow.config import make_engine_config
-    from kvflow.frontend.engine_client import MultiprocEngine
     from kvflow.frontend.model_files import resolve_model
     from kvflow.frontend.processor import InputProcessor
+    from kvflow.frontend.supervisor import SupervisedEngine
     from kvflow.frontend.tokenizer import Tokenizer
     path = resolve_model(args.model)
     config = make_engine_config(path, engine_options(args))
     tokenizer = Tokenizer(path)
-    engine = MultiprocEngine(config)
+    # serve restarts a dead engine in a thread (its event loop serves on meanwhile).
+    engine = SupervisedEngine(config, restart_in_thread=args.command == "serve")
     logger.info("EngineCore and %d worker(s) ready: %d KV blocks of %d tokens",
                 args.tensor_parallel_size,
                 engine.num_blocks, config.cache.block_size)
@@ -133,7 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     opts = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                         model_name=args.served_model_name or args.model,
                         client_address=args.client_address,
-                        max_waiting_requests=args.max_waiting_requests)
+                        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n,
+                        max_request_bytes=args.max_request_bytes,
+                        max_connections=args.max_connections, http_timeout=args.http_timeout,
+                        shutdown_timeout=args.shutdown_timeout)
     engine, processor = start_cluster(args)
     try:
         run(serve(engine, processor, opts))
@@ -177,17 +196,38 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics "
-                            "stay open)")
+                       help="require 'Authorization: Bearer KEY' on every HTTP path but "
+                            "/health, /metrics and /version, and the key from kvflow clients "
+                            "(--client-address)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and /v1/models lists (default: the "
                             "--model value)")
     serve.add_argument("--client-address", default=None,
                        help="also serve kvflow.Client / AsyncClient here (tcp://HOST:PORT or "
                             "ipc://PATH); off when not given")
-    serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 503 (with Retry-After) at once when this many requests "
-                            "already wait for the engine (default: no limit)")
+    serve.add_argument("--max-waiting-requests", type=positive_int, default=None,
+                       help="answer 503 (with Retry-After; kvflow clients: "
+                            "EngineOverloadedError) at once when this many requests already "
+                            "wait for the engine, each of n choices counting as one (default: "
+                            "4 x --max-num-seqs)")
+    serve.add_argument("--max-n", type=positive_int, default=None,
+                       help="largest n (choices per prompt) a request may ask for (default: "
+                            "--max-num-seqs)")
+    serve.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
+                       help="largest request body (HTTP: 413 beyond it, before it is read "
+                            "whole) and kvflow client message (default: 4 MiB)")
+    serve.add_argument("--max-connections", type=positive_int, default=1024,
+                       help="open HTTP connections at most; beyond it a new connection is "
+                            "closed at once (default: 1024)")
+    serve.add_argument("--http-timeout", type=float, default=30.0,
+                       help="seconds an HTTP client has to send a whole request after "
+                            "connecting or after its previous response; then the connection "
+                            "is closed (default: 30)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT: refuse new requests (503), turn /health 503, "
+                            "let requests in flight finish for up to this many seconds, then "
+                            "abort the rest (finish_reason 'abort') and exit 0; a second "
+                            "signal stops at once; 0: stop at once (default: 30)")
     serve.add_argument("--headless", action="store_true",
                        help="run only this node's workers (--node-rank >= 1), no HTTP server; "
                             "exits when node 0's engine stops or is gone")

@@ -83,6 +83,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"           # "auto" -> cuda:rank when CUDA is available, else cpu
     enforce_eager: bool = False    # True: no CUDA graphs for decode steps
     quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
+    # Self-healing (kvflow/frontend/supervisor.py): a step unfinished after step_timeout
+    # (+ a share scaled by its tokens) is a hung worker; EngineCore silent that long is hung;
+    # the frontend restarts a dead or hung engine up to max_engine_restarts times in
+    # RESTART_WINDOW seconds, resuming every unfinished request.
+    step_timeout: float = 60.0
+    max_engine_restarts: int = 3
 
 
 def cache_dir() -> str:
@@ -166,6 +172,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None        # None: a free port (one node), 29501 (several)
     startup_timeout: float = 300.0        # seconds for every rank (every node) to be ready
+    step_timeout: float = 60.0            # a step unfinished after this (+ per token) hung
+    max_engine_restarts: int = 3          # restarts within 10 minutes before giving up
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
@@ -202,6 +210,10 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     if o.quantization == "int8" and o.device == "cuda":
         raise ValueError("quantization='int8' runs on CPU (oneDNN's int8 GEMM), but "
                          "device='cuda'")
+    if not isinstance(o.step_timeout, (int, float)) or not o.step_timeout > 0:
+        raise ValueError(f"step_timeout={o.step_timeout!r} must be > 0 seconds")
+    if not isinstance(o.max_engine_restarts, int) or o.max_engine_restarts < 0:
+        raise ValueError(f"max_engine_restarts={o.max_engine_restarts!r} must be >= 0")
     _check_tp(hf, o.tensor_parallel_size)
     parallel = _parallel_config(o)
     model = ModelConfig(
@@ -220,7 +232,8 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
                                   max_num_batched_tokens=o.max_num_batched_tokens),
         parallel=parallel,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
-        enforce_eager=bool(o.enforce_eager), quantization=o.quantization)
+        enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
+        step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts)
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

@@ -1,10 +1,25 @@
-"""SamplingParams: what a user asks of one request's decoding, validated at the boundary."""
+"""SamplingParams: what a user asks of one request's decoding, validated at the boundary.
+
+`validate` is the one check of every field, for every way in (LLM, the HTTP API, kvflow's ZMQ
+clients) and again in EngineCore: each value must be one the engine can carry (an integer
+msgpack and torch can hold, a finite float) and within a bound that keeps one request from
+costing the others (stop strings, logit_bias entries). Bounds that need the model (token ids
+and top_k against the vocabulary) are `kvflow/core/validation.py`'s.
+"""
 from __future__ import annotations
+
+import math
 
 import msgspec
 
 # The most top logprobs a request may ask for; the sampler computes a top-k of this size.
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32           # stop strings per request (OpenAI allows 4)
+MAX_STOP_STRING_CHARS = 512     # characters per stop string (streamed text is held back by it)
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300            # logit_bias entries per request (OpenAI's own limit)
+MAX_INT32 = 2**31 - 1           # token counts, ids and top_k: far above any real value
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what msgpack carries
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -45,12 +60,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be a "
+                                 "finite number")
         checks = (
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            ("top_k", self.top_k == -1 or 1 <= self.top_k <= MAX_INT32,
+             "must be -1 (off) or >= 1 (and at most the vocabulary size)"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("max_tokens", 1 <= self.max_tokens <= MAX_INT32,
+             "must be >= 1 (and prompt + max_tokens at most max_model_len)"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be None or in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
@@ -58,20 +80,43 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
              f"must be in [0, max_tokens={self.max_tokens}]"),
+            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             "must be a 64-bit integer"),
         )
         for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {rule}")
-        if self.stop is not None and any(not s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop={self.stop!r} must not contain empty strings")
+                raise ValueError(f"SamplingParams.{name}={_short(getattr(self, name))} {rule}")
+        self._validate_stops()
         self._validate_logit_bias()
+
+    def _validate_stops(self) -> None:
+        stop = self.stop or []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most "
+                             f"{MAX_STOP_STRINGS} are allowed")
+        for s in stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"SamplingParams.stop={_short(s)}: a stop string must have 1 "
+                                 f"to {MAX_STOP_STRING_CHARS} characters")
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids has {len(ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+        bad = next((t for t in ids if not 0 <= t <= MAX_INT32), None)
+        if bad is not None:
+            raise ValueError(f"SamplingParams.stop_token_ids contains {_short(bad)}: token ids "
+                             f"are in [0, {MAX_INT32}]")
 
     def _validate_logit_bias(self) -> None:
         """Ids must be >= 0 here; the upper bound (the vocabulary) is check_request's."""
-        for token_id, value in (self.logit_bias or {}).items():
-            if token_id < 0 or not -100 <= value <= 100:
-                raise ValueError(f"SamplingParams.logit_bias[{token_id}]={value!r}: ids must be "
-                                 f">= 0 and values in [-100, 100]")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"SamplingParams.logit_bias has {len(bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+        for token_id, value in bias.items():
+            if not 0 <= token_id <= MAX_INT32 or not -100 <= value <= 100:
+                raise ValueError(f"SamplingParams.logit_bias[{_short(token_id)}]={value!r}: ids "
+                                 "must be >= 0 (in the vocabulary) and values in [-100, 100]")
 
     @property
     def processes_logits(self) -> bool:
@@ -82,3 +127,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """A value for an error message, cut: a hostile value must not make a huge message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

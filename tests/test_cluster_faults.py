@@ -1,6 +1,7 @@
 """Fault tolerance of the real cluster (docs/design.md §1, "Death"): real processes, real signals.
 
-- A worker or EngineCore killed: every pending and every new request fails with
+- With restarts off (`--max-engine-restarts 0`, `max_engine_restarts=0`; restarts are
+  tests/test_self_healing.py's), a worker or EngineCore killed: every pending and every new request fails with
   EngineDeadError within 5 s, and the rest of the engine side exits (through `launch.py serve`
   and a Client, and through `LLM`).
 - The launcher, or the user's process holding an LLM, killed: its children exit by themselves.
@@ -66,8 +67,9 @@ def serve(default_model: str):
 
     def start(*args: str, env: dict[str, str] | None = None, model: str | None = None,
               wait: bool = True) -> ServeProcess:
-        s = ServeProcess(*args, model=model or default_model, kv_cache_memory_gb=KV_GB,
-                         env=env)
+        # Fail-stop, as these tests check (restarts are tests/test_self_healing.py's).
+        s = ServeProcess("--max-engine-restarts", "0", *args, model=model or default_model,
+                         kv_cache_memory_gb=KV_GB, env=env)
         started.append(s)
         if wait:
             s.wait_serving()
@@ -222,7 +224,7 @@ def our_zombies(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def _start_llm(default_model: str, tag: str) -> tuple[LLM, psutil.Process, list[psutil.Process]]:
-    llm = LLM(default_model, kv_cache_memory_gb=KV_GB)
+    llm = LLM(default_model, kv_cache_memory_gb=KV_GB, max_engine_restarts=0)
     procs = tagged_processes(tag)
     [engine] = [p for p in procs if is_module(p, ENGINE_MODULE)]
     workers = [p for p in procs if is_module(p, WORKER_MODULE)]

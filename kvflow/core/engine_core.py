@@ -6,6 +6,7 @@ in-process worker, or (in the cluster) a broadcast to the worker processes.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
@@ -14,8 +15,20 @@ from kvflow.core.block_manager import BlockManager
 from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.validation import check_request
-from kvflow.ipc.messages import (EngineOutputs, EngineRequest, FinishReason, RequestDelta,
-                                 ResetPrefixCache, StepPlan, StepResult, UtilityCall, UtilityResult)
+from kvflow.ipc.messages import (INTERNAL_ERROR, EngineOutputs, EngineRequest, EngineStats,
+                                 FinishReason,
+                                 RequestDelta, ResetPrefixCache, StepPlan, StepResult, UtilityCall,
+                                 UtilityResult)
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailure(RuntimeError):
+    """A step failed in a way the engine cannot survive; `request_ids` were in it."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 class Executor(Protocol):
@@ -57,7 +70,8 @@ class EngineCore:
                                              error=error))
             return
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
-                                           request.sampling_params, request.arrival_time))
+                                           request.sampling_params, request.arrival_time,
+                                           request.output_token_ids))
 
     def validate(self, request: EngineRequest) -> str | None:
         if request.request_id in self.scheduler.requests:
@@ -67,6 +81,9 @@ class EngineCore:
         except ValueError as e:
             return str(e)
         model = self.config.model
+        if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+            return (f"a resumed request with {len(request.output_token_ids)} output tokens "
+                    f"has nothing left of max_tokens={request.sampling_params.max_tokens}")
         return check_request(request.prompt_token_ids, request.sampling_params,
                              max_model_len=model.max_model_len, vocab_size=model.vocab_size,
                              block_size=self.block_manager.block_size,
@@ -96,13 +113,35 @@ class EngineCore:
         t1 = time.perf_counter()
         deltas, self.pending = self.pending, []
         if batch or plan.forget_ids:
-            result = self.executor.execute(plan)
+            try:
+                result = self.executor.execute(plan)
+            except Exception as e:      # a worker died or hung in this step: name its batch
+                raise StepFailure(str(e), list(plan.scheduled_ids)) from e
             t2 = time.perf_counter()
-            deltas.extend(self.scheduler.update(plan, batch, result))
+            if result.error is not None:
+                deltas.extend(self._step_failed(plan, result.error))
+            else:
+                deltas.extend(self.scheduler.update(plan, batch, result))
             self._record_times(t0, t1, t2)
+        return EngineOutputs(deltas, self.stats())
+
+    def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         stats.num_received = self.num_received
-        return EngineOutputs(deltas, stats)
+        return stats
+
+    def _step_failed(self, plan: StepPlan, error: str) -> list[RequestDelta]:
+        """A live worker's step raised: fail that step's requests, keep serving the rest.
+        With several ranks the others may be stuck in a collective rank 0 left, so the
+        engine stops instead (WorkerFailure: the frontend restarts it)."""
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise StepFailure(f"worker 0's step failed with tensor parallelism (the other "
+                              f"ranks may be stuck in a collective):\n{error}",
+                              list(plan.scheduled_ids))
+        logger.error("a step failed; its %d request(s) fail, the engine goes on:\n%s",
+                     len(plan.scheduled_ids), error)
+        return self.scheduler.abort(list(plan.scheduled_ids), FinishReason.ERROR,
+                                    INTERNAL_ERROR)
 
     def _record_times(self, t0: float, t1: float, t2: float) -> None:
         self.times.schedule += t1 - t0

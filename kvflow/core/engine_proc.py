@@ -11,15 +11,16 @@ import argparse
 import logging
 import signal
 import tempfile
+import time
 import traceback
 
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.core.engine_core import EngineCore
-from kvflow.core.executor import MultiprocExecutor, WorkerFailure
-from kvflow.ipc.messages import (Abort, ChildFailed, EngineReady, EngineRequest, FromEngine,
-                                 GetTimings, ResetPrefixCache, Shutdown, ToEngine)
+from kvflow.core.engine_core import EngineCore, StepFailure
+from kvflow.core.executor import TICK, MultiprocExecutor, WorkerFailure
+from kvflow.ipc.messages import (Abort, ChildFailed, EngineOutputs, EngineReady, EngineRequest,
+                                 FromEngine, GetTimings, ResetPrefixCache, Shutdown, ToEngine)
 from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
@@ -47,6 +48,14 @@ class EngineCoreProc:
         for s in self.executor.watched:
             self.poller.register(s, zmq.POLLIN)
         self.running = True
+        self.last_sent = time.monotonic()
+        # While a step runs (a long prefill), say we live: the frontend's watchdog counts
+        # EngineCore silent for --step-timeout as hung.
+        self.executor.on_wait = self.heartbeat
+
+    def heartbeat(self) -> None:
+        self.output.send(EngineOutputs([], self.core.stats()))
+        self.last_sent = time.monotonic()
 
     def run(self) -> None:
         startup_done()
@@ -79,8 +88,9 @@ class EngineCoreProc:
 
     def emit(self) -> None:
         outputs = self.core.step()
-        if outputs.outputs:
+        if outputs.outputs or time.monotonic() - self.last_sent > TICK:
             self.output.send(outputs)
+            self.last_sent = time.monotonic()
 
     def close(self, grace: float = 3.0) -> None:
         self.executor.shutdown(grace)
@@ -113,7 +123,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except Exception as e:
         logger.error("EngineCore failed: %s", e)
         out = make_socket(ctx, zmq.PUSH, output_address, bind=False)
-        Channel[FromEngine](out, FromEngine).send(ChildFailed("EngineCore", _describe(e)))
+        suspects = e.request_ids if isinstance(e, StepFailure) else []
+        Channel[FromEngine](out, FromEngine).send(ChildFailed("EngineCore", _describe(e),
+                                                              suspects))
         out.close(linger=1000)                       # give the news a moment to leave
         grace = 0.5
     finally:
@@ -125,7 +137,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 def _describe(e: Exception) -> str:
     """A worker's failure is its own message (it carries the worker's traceback if any);
     anything else, EngineCore's traceback."""
-    return str(e) if isinstance(e, WorkerFailure) else traceback.format_exc()
+    return str(e) if isinstance(e, (WorkerFailure, StepFailure)) else traceback.format_exc()
 
 
 if __name__ == "__main__":

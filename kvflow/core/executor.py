@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from typing import Callable
 
 import zmq
 
@@ -33,6 +34,7 @@ class StartupTimeout(WorkerFailure):
 
 HEARTBEAT_INTERVAL = 0.5   # seconds between heartbeats, both ways, with each --headless node
 HEARTBEAT_TIMEOUT = 3.0    # silence after which a node (or node 0) counts as gone
+TICK = 1.0                 # while a step runs: how often EngineCore tells the frontend it lives
 
 
 def bound_address(sock: zmq.Socket) -> str:
@@ -82,6 +84,9 @@ class MultiprocExecutor:
             raise
         self.ipc_seconds = 0.0                       # round trip minus time inside rank 0
         self.num_steps = 0
+        self.step_timeout = config.step_timeout
+        self.seconds_per_token = 0.02                # the slowest recent step, per token
+        self.on_wait: Callable[[], None] | None = None   # called every TICK while waiting
 
     @property
     def sentinels(self) -> list[int]:
@@ -159,13 +164,31 @@ class MultiprocExecutor:
             self.results.recv()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Broadcast the plan and wait for rank 0's result. The watchdog: a step unfinished
+        after step_timeout + 10 x its tokens x the slowest recent time per token counts as
+        a hung worker (WorkerFailure); a long prefill is given time in proportion."""
         start = time.perf_counter()
         self.plans.send(plan)
+        tokens = max(1, sum(plan.num_scheduled_tokens))
+        limit = self.step_timeout + 10 * tokens * self.seconds_per_token
+        deadline = time.monotonic() + limit
         while True:
-            msg = self._recv(None)
+            try:
+                msg = self._recv(min(deadline, time.monotonic() + TICK))
+            except StartupTimeout:
+                if time.monotonic() >= deadline:
+                    raise WorkerFailure(
+                        f"a worker hung: a step of {tokens} tokens did not finish in "
+                        f"{limit:.1f} s (--step-timeout {self.step_timeout:g} s + 10 x the "
+                        f"tokens x {self.seconds_per_token * 1000:.1f} ms)") from None
+                if self.on_wait is not None:
+                    self.on_wait()
+                continue
             if isinstance(msg, StepResult):
                 break
-        self.ipc_seconds += time.perf_counter() - start - msg.worker_seconds
+        elapsed = time.perf_counter() - start
+        self.seconds_per_token = max(elapsed / tokens, 0.9 * self.seconds_per_token, 1e-4)
+        self.ipc_seconds += elapsed - msg.worker_seconds
         self.num_steps += 1
         return msg
 

@@ -21,9 +21,12 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, arrival_time: float = 0.0) -> None:
+                 sampling_params: SamplingParams, arrival_time: float = 0.0,
+                 output_token_ids: list[int] | None = None) -> None:
+        """`output_token_ids`: what a request resumed after an engine restart had produced;
+        it is computed again like a preempted request's."""
         self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids) + list(output_token_ids or ())
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time

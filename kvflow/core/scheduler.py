@@ -168,9 +168,13 @@ class Scheduler:
         self.forget_ids.append(request.request_id)
         del self.requests[request.request_id]
 
-    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
-        """Remove the requests at once, freeing their blocks; unknown ids are ignored."""
+    def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> list[RequestDelta]:
+        """Remove the requests at once, freeing their blocks; unknown ids are ignored. One
+        pass over the waiting queue, however many are aborted. `reason` ERROR with `error`
+        fails them instead (a step that raised)."""
         deltas = []
+        leaving: set[str] = set()
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -180,11 +184,13 @@ class Scheduler:
                 self.block_manager.free(request)
                 self.forget_ids.append(request_id)
             else:                       # a waiting request is never on the workers
-                self.waiting.remove(request)
+                leaving.add(request_id)
             request.status = Status.FINISHED
-            request.finish_reason = FinishReason.ABORT
+            request.finish_reason = reason
             del self.requests[request_id]
-            deltas.append(RequestDelta(request_id, [], FinishReason.ABORT))
+            deltas.append(RequestDelta(request_id, [], reason, error=error))
+        if leaving:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in leaving)
         return deltas
 
     # --- invariant and stats ---------------------------------------------------------------

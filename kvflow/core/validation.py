@@ -18,7 +18,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, max_mo
                 f"max_model_len={max_model_len}")
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        return f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+        return (f"prompt token id {str(bad)[:40]} is outside the vocabulary "
+                f"[0, {vocab_size})")
+    if params.top_k > vocab_size:
+        return f"top_k={params.top_k} exceeds the vocabulary size {vocab_size} (-1 is off)"
     bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"

@@ -7,6 +7,12 @@ ZMQ servers) never touch the engine's sockets. A consumer opens a request with
 stream.next()`. Leaving the block before the request finished (a client that went away, a
 cancelled task) aborts it, so its blocks are freed at the engine's next step. When the engine
 dies, every open stream raises EngineDeadError and `dead` says why (/health turns 503).
+
+Admission is one path for every client: `admission(n)` refuses at once
+(EngineOverloadedError) when `max_waiting` requests already wait, counting those still being
+tokenized; `prepare` tokenizes and checks in a thread pool, so a long prompt never stalls the
+loop (other streams, /health); `submit` queues at the engine, with an optional deadline after
+which the request is aborted (finish_reason "abort", with what it has).
 """
 from __future__ import annotations
 
@@ -14,15 +20,16 @@ import asyncio
 import itertools
 import logging
 import time
-from contextlib import asynccontextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
 
-from kvflow.errors import EngineDeadError
-from kvflow.frontend.engine_client import MultiprocEngine
+from kvflow.errors import EngineDeadError, EngineOverloadedError
+from kvflow.frontend.supervisor import SupervisedEngine
 from kvflow.frontend.metrics import Metrics
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.processor import InputProcessor, Prompt
@@ -49,6 +56,7 @@ class RequestStream:
         self.changed = asyncio.Event()
         self.dead: str | None = None
         self.num_tokens_taken = 0
+        self.deadline: asyncio.TimerHandle | None = None
 
     @property
     def request_id(self) -> str:
@@ -82,53 +90,103 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: MultiprocEngine, processor: InputProcessor,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: SupervisedEngine, processor: InputProcessor,
+                 metrics: Metrics | None = None, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.processor = processor
         self.metrics = metrics
+        self.max_waiting = max_waiting
         self.streams: dict[str, RequestStream] = {}
         self.stats = EngineStats()
         self.dead: str | None = engine.dead
         self.num_sent = 0
+        self.num_admitting = 0          # admitted, still being tokenized
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        self.draining: str | None = None    # why new requests are refused (a SIGTERM)
+        if metrics is not None:
+            engine.on_restart = metrics.record_restart
+        # Tokenization and chat templates run here, off the event loop (tokenizers releases
+        # the GIL while it encodes). Two threads: this machine's cores, not more.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvflow-tokenize")
 
     @property
     def num_waiting(self) -> int:
         """Requests waiting for the engine: its last count, plus those sent that it had not
-        taken in yet when it counted."""
-        return self.stats.num_waiting + self.num_sent - self.stats.num_received
+        taken in yet when it counted, plus those admitted and still being tokenized."""
+        return (self.stats.num_waiting + self.num_sent - self.stats.num_received
+                + self.num_admitting)
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
 
+    @contextmanager
+    def admission(self, num_new: int) -> Iterator[None]:
+        """Hold room for `num_new` requests while they are prepared and submitted: refuses at
+        once (EngineOverloadedError) when the queue is full, EngineDeadError when the engine
+        is gone. A request larger than the whole queue is a ValueError (it never fits)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self.draining is not None:
+            raise EngineOverloadedError(self.draining)
+        limit = self.max_waiting
+        if limit is not None:
+            if num_new > limit:
+                raise ValueError(f"the request needs {num_new} engine requests (prompts x n) "
+                                 f"but at most {limit} may wait (--max-waiting-requests)")
+            if self.num_waiting + num_new > limit:
+                raise EngineOverloadedError(
+                    f"{self.num_waiting} requests are already waiting (the server's "
+                    f"--max-waiting-requests is {limit}); retry later")
+        self.num_admitting += num_new
+        try:
+            yield
+        finally:
+            self.num_admitting -= num_new
+
+    async def prepare(self, prompt: Prompt, params: list[SamplingParams]
+                      ) -> list[RequestTracker]:
+        """Tokenize and check (in the pool): one tracker per SamplingParams; ValueError
+        naming the problem otherwise."""
+        ids = [str(next(self._ids)) for _ in params]
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.processor.make_trackers, ids, prompt, params)
+
+    async def run_blocking(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run a CPU-heavy frontend function (a chat template) in the pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
     @asynccontextmanager
-    async def request(self, prompt: Prompt, params: SamplingParams
-                      ) -> AsyncIterator[RequestStream]:
-        """Submit a request (ValueError naming the problem if it is invalid); leaving the
-        block before it finished aborts it."""
-        stream = self.add(prompt, params)
+    async def request(self, prompt: Prompt, params: SamplingParams,
+                      timeout: float | None = None) -> AsyncIterator[RequestStream]:
+        """Admit, prepare and submit a request (ValueError naming the problem if it is
+        invalid); leaving the block before it finished aborts it."""
+        with self.admission(1):
+            [tracker] = await self.prepare(prompt, [params])
+            stream = self.submit(tracker, timeout)
         try:
             yield stream
         finally:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    def add(self, prompt: Prompt, params: SamplingParams) -> RequestStream:
+    def submit(self, tracker: RequestTracker, timeout: float | None = None) -> RequestStream:
+        """Queue a prepared request at the engine; after `timeout` seconds it is aborted."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        request_id = str(next(self._ids))
-        stream = RequestStream(self.processor.make_tracker(request_id, prompt, params))
+        stream = RequestStream(tracker)
         out = stream.output
         try:
-            self.engine.add_requests([EngineRequest(request_id, out.prompt_token_ids, params,
-                                                    time.time())])
+            self.engine.add_requests([EngineRequest(out.request_id, out.prompt_token_ids,
+                                                    tracker.params, time.time())])
         except EngineDeadError as e:
             self.fail_all(str(e))
             raise
-        self.streams[request_id] = stream
+        self.streams[out.request_id] = stream
         self.num_sent += 1
+        if timeout is not None:
+            stream.deadline = asyncio.get_running_loop().call_later(
+                timeout, self.abort, out.request_id)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -139,11 +197,16 @@ class AsyncEngine:
     # --- the reader task -----------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(zmq.asyncio.Socket.from_socket(self.engine.output.sock), zmq.POLLIN)
-        poller.register(self.engine.sentinel, zmq.POLLIN)
+        generation, poller = -1, zmq.asyncio.Poller()
         while self.dead is None:
-            await poller.poll()
+            if generation != self.engine.generation:    # restarted: other sockets to watch
+                generation, poller = self.engine.generation, zmq.asyncio.Poller()
+                for item in self.engine.pollables():
+                    poller.register(zmq.asyncio.Socket.from_socket(item)
+                                    if isinstance(item, zmq.Socket) else item, zmq.POLLIN)
+            # A hung engine wakes nobody: look at least every second (the supervisor's
+            # watchdog runs in drain()).
+            await poller.poll(1000)
             try:
                 for out in self.engine.drain():
                     self._apply(out)
@@ -167,6 +230,8 @@ class AsyncEngine:
             self._record_tokens(stream, len(delta.new_token_ids), delta.queue_seconds, now)
             if finished:
                 del self.streams[delta.request_id]
+                if stream.deadline is not None:
+                    stream.deadline.cancel()
                 self._record_finished(stream, now)
             stream.changed.set()
 
@@ -208,9 +273,16 @@ class AsyncEngine:
                                                   prefix_cache_hits=self.stats.prefix_cache_hits,
                                                   num_preemptions=self.stats.num_preemptions))
 
+    def abort_all(self) -> None:
+        """Abort every open request: each finishes with what it has (finish_reason
+        "abort")."""
+        for request_id in list(self.streams):
+            self.abort(request_id)
+
     async def shutdown(self, reason: str = "the server is shutting down") -> None:
         self.fail_all(reason)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()

@@ -6,7 +6,10 @@
 
 A Client is for one thread and one request at a time; AsyncClient keeps many in flight.
 Errors come back as exceptions: ValueError for a rejected request (with the server's message),
-EngineDeadError when the engine is gone, TimeoutError when `timeout` passes with no news.
+EngineOverloadedError when the server's queue is full (retry later), PermissionError for a
+wrong or missing `api_key` (the server's --api-key), EngineDeadError when the engine is gone,
+TimeoutError when `timeout` passes with no news. Every message carries the API key in a frame
+of its own, checked before the server decodes the rest.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvflow.errors import EngineDeadError
+from kvflow.errors import EngineDeadError, EngineOverloadedError
 from kvflow.frontend.outputs import RequestOutput
-from kvflow.ipc.messages import (ERROR_ENGINE_DEAD, ClientAbort, ClientOutput, ClientRequest,
-                                 ClientStats, ClientStatsRequest, EngineStats, FromServer)
+from kvflow.ipc.messages import (ERROR_ENGINE_DEAD, ERROR_OVERLOADED, ERROR_UNAUTHORIZED,
+                                 ClientAbort, ClientOutput, ClientRequest, ClientStats,
+                                 ClientStatsRequest, EngineStats, FromServer)
 from kvflow.sampling_params import SamplingParams
 
 _encoder = msgspec.msgpack.Encoder()
@@ -29,18 +33,26 @@ _decoder = msgspec.msgpack.Decoder(FromServer)
 
 
 def _request(prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-             params: SamplingParams | None, stream: bool) -> ClientRequest:
+             params: SamplingParams | None, stream: bool, timeout: float | None = None
+             ) -> ClientRequest:
     raw = msgspec.Raw(_encoder.encode(params or SamplingParams()))
     if isinstance(prompt, str):
-        return ClientRequest(uuid.uuid4().hex, raw, prompt=prompt, stream=stream)
+        return ClientRequest(uuid.uuid4().hex, raw, prompt=prompt, stream=stream,
+                             timeout=timeout)
     if prompt is not None:
-        return ClientRequest(uuid.uuid4().hex, raw, prompt_token_ids=list(prompt), stream=stream)
-    return ClientRequest(uuid.uuid4().hex, raw, messages=messages, stream=stream)
+        return ClientRequest(uuid.uuid4().hex, raw, prompt_token_ids=list(prompt), stream=stream,
+                             timeout=timeout)
+    return ClientRequest(uuid.uuid4().hex, raw, messages=messages, stream=stream,
+                         timeout=timeout)
 
 
 def _check(msg: ClientOutput) -> None:
     if msg.error_kind == ERROR_ENGINE_DEAD:
         raise EngineDeadError(msg.error)
+    if msg.error_kind == ERROR_OVERLOADED:
+        raise EngineOverloadedError(msg.error)
+    if msg.error_kind == ERROR_UNAUTHORIZED:
+        raise PermissionError(msg.error)
     if msg.error is not None:
         raise ValueError(msg.error)
 
@@ -65,12 +77,17 @@ def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None,
+                 api_key: str | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.timeout_ms = None if timeout is None else int(timeout * 1000)
+        self.key = (api_key or "").encode()
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self.sock.send_multipart([self.key, _encoder.encode(msg)])
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None
                  ) -> RequestOutput:
@@ -85,7 +102,7 @@ class Client:
                messages: list[dict[str, str]] | None = None) -> Iterator[RequestOutput]:
         """Deltas (new text and tokens); closing the iterator early aborts the request."""
         req = _request(prompt, messages, params, stream=True)
-        self.sock.send(_encoder.encode(req))
+        self._send(req)
         finished = False
         try:
             while not finished:
@@ -97,15 +114,15 @@ class Client:
                 self.abort(req.request_id)
 
     def _whole(self, req: ClientRequest, prompt: str | None) -> RequestOutput:
-        self.sock.send(_encoder.encode(req))
+        self._send(req)
         return _to_output(self._recv(req.request_id), prompt)
 
     def abort(self, request_id: str) -> None:
-        self.sock.send(_encoder.encode(ClientAbort(request_id)))
+        self._send(ClientAbort(request_id))
 
     def stats(self) -> EngineStats:
         request_id = uuid.uuid4().hex
-        self.sock.send(_encoder.encode(ClientStatsRequest(request_id)))
+        self._send(ClientStatsRequest(request_id))
         msg = self._recv(request_id)
         assert isinstance(msg, ClientStats)
         return msg.stats
@@ -116,6 +133,8 @@ class Client:
             if not self.sock.poll(self.timeout_ms):
                 raise TimeoutError(f"no answer from the server for request {request_id}")
             msg = _decoder.decode(self.sock.recv())
+            if msg.request_id == "" and isinstance(msg, ClientOutput):
+                _check(msg)                 # about this connection: a wrong API key
             if msg.request_id != request_id:
                 continue
             if isinstance(msg, ClientOutput):
@@ -135,14 +154,19 @@ class Client:
 class AsyncClient:
     """Many requests in flight over one socket; a reader task routes messages to requests."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None,
+                 api_key: str | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.timeout = timeout
+        self.key = (api_key or "").encode()
         self.queues: dict[str, asyncio.Queue] = {}
         self.reader: asyncio.Task | None = None
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        await self.sock.send_multipart([self.key, _encoder.encode(msg)])
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -153,6 +177,10 @@ class AsyncClient:
     async def _read(self) -> None:
         while True:
             msg = _decoder.decode(await self.sock.recv())
+            if msg.request_id == "":        # about this connection (a wrong API key): all
+                for each in self.queues.values():
+                    each.put_nowait(msg)
+                continue
             queue = self.queues.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(msg)
@@ -162,7 +190,7 @@ class AsyncClient:
             self.reader = asyncio.get_running_loop().create_task(self._read())
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
-        await self.sock.send(_encoder.encode(payload))
+        await self._send(payload)
         return queue
 
     async def _next(self, queue: asyncio.Queue, request_id: str) -> Any:
@@ -208,7 +236,7 @@ class AsyncClient:
         return total
 
     async def abort(self, request_id: str) -> None:
-        await self.sock.send(_encoder.encode(ClientAbort(request_id)))
+        await self._send(ClientAbort(request_id))
 
     async def stats(self) -> EngineStats:
         request_id = uuid.uuid4().hex

@@ -76,6 +76,8 @@ class MultiprocEngine:
             "--input-address", input_address, "--output-address", output_address,
             "--log-level", str(logging.getLogger().level)])
         self.dead: str | None = None
+        self.dead_request_ids: list[str] = []   # the requests of the step it died in
+        self.last_heard = time.monotonic()      # the last message from EngineCore
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
                                            [self.input.sock, self.output.sock], self.run_dir)
         # EngineCore gives up on its workers after the start-up timeout (loading, then the
@@ -105,22 +107,24 @@ class MultiprocEngine:
         ready = dict(poller.poll(None if timeout is None else int(timeout * 1000)))
         if self.output.sock in ready:
             msg = self.output.recv()
+            self.last_heard = time.monotonic()
             if isinstance(msg, ChildFailed):
-                self._die(f"{msg.who} failed: {msg.error}")
+                self._die(f"{msg.who} failed: {msg.error}", msg.request_ids)
             return msg
         if self.proc.sentinel in ready:
             self._die(f"EngineCore (pid {self.proc.pid}) died with exit code "
                       f"{self.proc.exitcode}")
         return None
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, request_ids: list[str] | None = None) -> None:
         """Say it at once. EngineCore is reaped in a thread meanwhile (it may take seconds: a
         worker stuck in a collective is killed only after a grace period); the sockets stay
         for shutdown(), on the caller's thread."""
         self.dead = reason
+        self.dead_request_ids = request_ids or []
         threading.Thread(target=self.proc.stop, args=(5,), daemon=True,
                          name="kvflow-reap").start()
-        raise EngineDeadError(reason)
+        raise EngineDeadError(reason, request_ids)
 
     def _send(self, msg: ToEngine) -> None:
         if self.dead is not None:

@@ -8,10 +8,11 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from kvflow.config import EngineOptions, make_engine_config
-from kvflow.frontend.engine_client import InProcessEngine, MultiprocEngine
+from kvflow.frontend.engine_client import InProcessEngine
 from kvflow.frontend.model_files import resolve_model
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.processor import InputProcessor, Prompt
+from kvflow.frontend.supervisor import SupervisedEngine
 from kvflow.frontend.tokenizer import Tokenizer
 from kvflow.ipc.messages import EngineRequest, EngineStats
 from kvflow.sampling_params import SamplingParams
@@ -42,8 +43,10 @@ class LLM:
         path = resolve_model(model)
         self.config = make_engine_config(path, options, **overrides)
         self.tokenizer = Tokenizer(path)
-        self.engine: InProcessEngine | MultiprocEngine | None = (
-            InProcessEngine(self.config) if in_process else MultiprocEngine(self.config))
+        # A cluster restarts a dead or hung engine and resumes its requests
+        # (max_engine_restarts; kvflow/frontend/supervisor.py).
+        self.engine: InProcessEngine | SupervisedEngine | None = (
+            InProcessEngine(self.config) if in_process else SupervisedEngine(self.config))
         self.processor = InputProcessor(self.config, self.tokenizer, self.engine.num_blocks)
         self.last_stats = EngineStats()
         self._ids = itertools.count()
@@ -100,7 +103,7 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
 
-    def _engine(self) -> InProcessEngine | MultiprocEngine:
+    def _engine(self) -> InProcessEngine | SupervisedEngine:
         if self.engine is None:
             raise RuntimeError("this LLM was shut down")
         return self.engine

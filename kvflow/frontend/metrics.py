@@ -61,7 +61,19 @@ class Metrics:
                                         _TOKEN_BUCKETS)
         self.request_generation = histogram("request_generation_tokens",
                                             "Generated tokens per request.", _TOKEN_BUCKETS)
+        restarts = Counter("kvflow:engine_restarts", "Engine restarts (docs/design.md, "
+                           "Self-healing), by cause: worker, engine_core, hung.",
+                           ["model_name", "cause"], registry=self.registry)
+        self.restarts = {c: restarts.labels(model_name=model_name, cause=c)
+                         for c in ("worker", "engine_core", "hung")}
+        self.resumed = counter("requests_resumed",
+                               "Unfinished requests sent again to a restarted engine.")
         self.last = EngineStats()
+
+    def record_restart(self, cause: str, num_resumed: int) -> None:
+        self.restarts[cause].inc()
+        self.resumed.inc(num_resumed)
+        self.last = EngineStats()           # the new engine's totals start from zero
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges from the latest stats; counters by what the engine's totals grew."""

@@ -26,20 +26,41 @@ class InputProcessor:
     def make_tracker(self, request_id: str, prompt: Prompt, params: SamplingParams
                      ) -> RequestTracker:
         """A tracker for a valid request; ValueError naming the problem otherwise."""
-        params.validate()
+        return self.make_trackers([request_id], prompt, [params])[0]
+
+    def make_trackers(self, request_ids: list[str], prompt: Prompt,
+                      params: list[SamplingParams]) -> list[RequestTracker]:
+        """One tracker per SamplingParams (the n choices of one prompt), the prompt tokenized
+        once; ValueError naming the problem otherwise. Thread-safe: the server calls it off
+        its event loop, since a long prompt takes a while to tokenize."""
+        for p in params:
+            p.validate()
         text = prompt if isinstance(prompt, str) else None
         if text is None and not (isinstance(prompt, (list, tuple))
                                  and all(isinstance(t, numbers.Integral)
                                          and not isinstance(t, bool) for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids (ints), not "
                              f"{type(prompt).__name__}: {str(prompt)[:80]}")
-        token_ids = (self.tokenizer.encode(text) if text is not None
-                     else [int(t) for t in prompt])
-        error = check_request(token_ids, params, max_model_len=self.config.model.max_model_len,
-                              vocab_size=self.config.model.vocab_size,
-                              block_size=self.config.cache.block_size,
-                              num_blocks=self.num_blocks)
-        if error is not None:
-            raise ValueError(error)
-        output = RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids)
-        return RequestTracker(output, params, self.tokenizer)
+        token_ids = (self.encode_prompt(text) if text is not None else [int(t) for t in prompt])
+        trackers = []
+        for request_id, p in zip(request_ids, params):
+            error = check_request(token_ids, p, max_model_len=self.config.model.max_model_len,
+                                  vocab_size=self.config.model.vocab_size,
+                                  block_size=self.config.cache.block_size,
+                                  num_blocks=self.num_blocks)
+            if error is not None:
+                raise ValueError(error)
+            output = RequestOutput(request_id=request_id, prompt=text,
+                                   prompt_token_ids=token_ids)
+            trackers.append(RequestTracker(output, p, self.tokenizer))
+        return trackers
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt; a text too long for max_model_len is refused before
+        it is tokenized (it has more tokens than characters / the longest token)."""
+        limit = self.config.model.max_model_len
+        if len(text) > limit * self.tokenizer.max_token_chars:
+            raise ValueError(f"prompt of {len(text)} characters exceeds max_model_len={limit} "
+                             f"tokens (it is at least {len(text) // self.tokenizer.max_token_chars}"
+                             f" tokens)")
+        return self.tokenizer.encode(text)

@@ -30,6 +30,11 @@ class Tokenizer:
         self.config = _read_json(os.path.join(path, "tokenizer_config.json"))
         self.chat_template = self._load_chat_template(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # The longest text one token can stand for (in characters of its vocabulary entry;
+        # byte-level entries hold at least one character per character of text): a text of
+        # more than n * this characters is more than n tokens, known without tokenizing it.
+        self.max_token_chars = max(
+            len(self.tokenizer.id_to_token(i) or "") for i in range(self.vocab_size)) or 1
 
     def _load_chat_template(self, path: str) -> str | None:
         jinja_file = os.path.join(path, "chat_template.jinja")

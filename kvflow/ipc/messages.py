@@ -23,6 +23,11 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+# The error of a request whose step raised in a worker: the details are in the logs only.
+INTERNAL_ERROR = ("internal error: the engine failed while computing this request, which was "
+                  "stopped (the server's log has the details)")
+
+
 class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pass
 
@@ -34,6 +39,9 @@ class EngineRequest(_Hot, tag=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    # A request resumed after an engine restart: the tokens it had produced (they count
+    # against max_tokens and min_tokens, and seeded sampling goes on from their position).
+    output_token_ids: list[int] = []
 
 
 class Abort(_Hot, tag=True):
@@ -106,6 +114,7 @@ class StepResult(_Hot, tag=True):
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     worker_seconds: float = 0.0      # time inside the worker, to measure IPC overhead
+    error: str | None = None         # the step raised (its traceback): nothing was sampled
 
 
 # --- control messages ---------------------------------------------------------------------
@@ -136,9 +145,12 @@ class EngineReady(_Control):
 
 
 class ChildFailed(_Control):
-    """A child process failed (at start-up or later); `error` is its message/traceback."""
+    """A child process failed (at start-up or later); `error` is its message/traceback.
+    `request_ids`: the requests of the step during which it failed (the frontend's suspects
+    when it restarts the engine), if it failed during one."""
     who: str
     error: str
+    request_ids: list[str] = []
 
 
 class Shutdown(_Control):
@@ -198,6 +210,7 @@ class ClientRequest(_Control):
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
     stream: bool = False
+    timeout: float | None = None     # seconds, then aborted (finish_reason "abort")
 
 
 class ClientAbort(_Control):
@@ -210,6 +223,8 @@ class ClientStatsRequest(_Control):
 
 ERROR_INVALID = "invalid"          # the request was rejected (ValueError on the client)
 ERROR_ENGINE_DEAD = "engine_dead"  # EngineDeadError on the client
+ERROR_OVERLOADED = "overloaded"    # EngineOverloadedError on the client: retry later
+ERROR_UNAUTHORIZED = "unauthorized"  # PermissionError on the client: wrong or no API key
 
 
 class ClientOutput(_Control):

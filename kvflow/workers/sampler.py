@@ -95,7 +95,8 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             logits = apply_top_k_top_p_min_p(
-                logits, torch.tensor([p.top_k for p in params], device=device),
+                logits, torch.tensor([min(p.top_k, logits.shape[-1]) for p in params],
+                                     device=device),
                 torch.tensor([p.top_p for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device))
         # Inverse-CDF draw: one uniform per row against the running sum of its probabilities

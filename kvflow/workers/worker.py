@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
+
 import torch
 
 from kvflow.config import EngineConfig, auto_kv_cache_gb
@@ -185,4 +187,12 @@ class Worker:
                     time.perf_counter() - start, used / 2**30)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+        """The step's result; a step that raises (a bug, or data the boundary let through)
+        is reported in `StepResult.error`, and EngineCore fails that step's requests instead
+        of the engine (docs/design.md, "A step that raises")."""
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            logger.exception("rank %d: a step of %d request(s) failed", self.tp.rank,
+                             len(plan.scheduled_ids))
+            return StepResult([], [], error=traceback.format_exc())

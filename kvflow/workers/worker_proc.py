@@ -162,6 +162,9 @@ def _loop(worker, rank: int, plans: Channel, results: Channel,  # type: ignore[n
             start = time.perf_counter()
             result = worker.execute(msg)
             result.worker_seconds = time.perf_counter() - start
+            if result.error is not None and rank != 0:
+                # Rank 0 may now wait in a collective this rank left: not recoverable.
+                raise RuntimeError(f"rank {rank}'s step failed:\n{result.error}")
             if rank == 0:
                 results.send(result)
 

@@ -4,19 +4,29 @@ AsyncEngine, in one process, one event loop.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}`: 400 for
 invalid input (FastAPI's 422 never reaches a client), 401 for a missing or wrong API key on
-/v1/*, 404 for an unknown model or path, 503 when the engine is dead or too many requests wait
-(with Retry-After), 500 only for bugs. A client that disconnects has its requests aborted.
+/v1/*, /tokenize and /detokenize, 404 for an unknown model or path, 413 for a body over
+--max-request-bytes, 503 when the engine is dead or too many requests wait (with Retry-After),
+500 only for bugs. No response carries a traceback or an exception's text: a 500 or a dead
+engine says a short message and a request id, which the server's log line carries with the
+details. A client that disconnects has its requests aborted.
+
+Limits at the door (docs/deploy.md, "Security"): the body size, a cap on open connections
+(beyond it a connection is closed at once), and a deadline for a client to send a whole
+request once connected (or after its previous response), so idle or half-open connections
+cannot hold file descriptors.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import secrets
 import signal
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import msgspec
 import uvicorn
@@ -24,17 +34,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 import kvflow
-from kvflow.errors import EngineDeadError
+from kvflow.errors import EngineDeadError, EngineOverloadedError
 from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
                                           StreamOptions, parse)
+from kvflow.frontend.api.protocol import MAX_MESSAGES, value_error
 from kvflow.frontend.api.serving import Job, Serving, error_body
 from kvflow.frontend.async_engine import AsyncEngine
-from kvflow.frontend.engine_client import MultiprocEngine
 from kvflow.frontend.metrics import Metrics
 from kvflow.frontend.processor import InputProcessor, Prompt
 from kvflow.frontend.server import ZmqServer
+from kvflow.frontend.supervisor import SupervisedEngine
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,7 +59,17 @@ class ServeOptions:
     model_name: str = "default"
     api_key: str | None = None
     client_address: str | None = None
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = None   # None: default_max_waiting(max_num_seqs)
+    max_n: int | None = None                  # None: max_num_seqs
+    max_request_bytes: int = 4 * 2**20
+    max_connections: int = 1024
+    http_timeout: float = 30.0
+    shutdown_timeout: float = 30.0            # drain on SIGTERM for up to this (0: at once)
+
+
+def default_max_waiting(max_num_seqs: int) -> int:
+    """Requests that may wait for the engine by default: four full batches."""
+    return 4 * max_num_seqs
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -60,41 +82,68 @@ def _error(e: ApiError, headers: dict[str, str] | None = None) -> Response:
 
 def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
     app = FastAPI(title="kvflow", version=kvflow.__version__, openapi_url=None)
-    serving = Serving(engine, opts.model_name)
+    config = engine.processor.config
+    serving = Serving(engine, opts.model_name, opts.max_n or config.scheduler.max_num_seqs)
     _add_error_handlers(app)
     _add_auth(app, opts.api_key)
     _add_info_routes(app, engine, opts)
-    _add_token_routes(app, engine)
+    _add_token_routes(app, engine, opts)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(await request.body(), CompletionRequest)
+        req = parse(await read_body(request, opts.max_request_bytes), CompletionRequest)
         _check_model(req.model, opts)
-        return await _generate(request, engine, opts, serving, Job("text_completion",
-                                                                   opts.model_name),
-                               serving.completion_items(req), req.stream,
-                               req.stream_options, req.echo)
+        items = serving.completion_items(req)
+
+        async def prepared() -> list[tuple[Prompt, list[SamplingParams]]]:
+            return items
+        return await _generate(request, engine, serving, Job("text_completion",
+                                                             opts.model_name),
+                               req, sum(len(params) for _, params in items), prepared, req.echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse(await request.body(), ChatRequest)
+        req = parse(await read_body(request, opts.max_request_bytes), ChatRequest)
         _check_model(req.model, opts)
+        serving.check_chat(req)
         job = Job("chat.completion", opts.model_name, top_logprobs=req.top_logprobs)
-        return await _generate(request, engine, opts, serving, job, serving.chat_items(req),
-                               req.stream, req.stream_options, False)
+
+        async def prepared() -> list[tuple[Prompt, list[SamplingParams]]]:
+            return await engine.run_blocking(serving.chat_items, req)     # off the loop
+        return await _generate(request, engine, serving, job, req, req.n, prepared, False)
 
     return app
 
 
-async def _generate(request: Request, engine: AsyncEngine, opts: ServeOptions,
-                    serving: Serving, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
-                    stream: bool, stream_options: StreamOptions | None, echo: bool) -> Response:
-    """Submit at once (so a bad request or an overload is a status code, streaming or not),
-    then answer whole or as server-sent events."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed `limit` bytes (from Content-Length,
+    else while it streams in): never more than `limit` bytes are held."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are "
+                            "accepted (--max-request-bytes)", kind="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes "
+                                "(--max-request-bytes)", kind="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _generate(request: Request, engine: AsyncEngine, serving: Serving, job: Job,
+                    req: CompletionRequest | ChatRequest, num_new: int,
+                    items: Callable[[], Awaitable[list[tuple[Prompt, list[SamplingParams]]]]],
+                    echo: bool) -> Response:
+    """Admit `num_new` engine requests (503 at once when the queue is full), prepare and
+    submit them (so a bad request or an overload is a status code, streaming or not), then
+    answer whole or as server-sent events."""
+    stream, stream_options = req.stream, req.stream_options
     if stream_options is not None and not stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    _check_capacity(engine, opts, sum(len(params) for _, params in items))
-    serving.open(job, items, echo)
+    with engine.admission(num_new):
+        await serving.open(job, await items(), echo, req.timeout)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return StreamingResponse(_stream(serving, job, include_usage),
@@ -104,19 +153,6 @@ async def _generate(request: Request, engine: AsyncEngine, opts: ServeOptions,
     finally:
         serving.close(job)
     return _json(body) if body is not None else Response(status_code=499)
-
-
-def _check_capacity(engine: AsyncEngine, opts: ServeOptions, num_new: int) -> None:
-    limit = opts.max_waiting_requests
-    if limit is None:
-        return
-    if num_new > limit:
-        raise ApiError(400, f"the request needs {num_new} engine requests (prompts x n) but the "
-                            f"server's --max-waiting-requests is {limit}", "n")
-    if engine.num_waiting + num_new > limit:
-        raise ApiError(503, f"{engine.num_waiting} requests are already waiting (the server's "
-                            f"--max-waiting-requests is {limit}); retry later",
-                       kind="service_unavailable")
 
 
 async def _stream(serving: Serving, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
@@ -154,15 +190,32 @@ def _check_model(model: str | None, opts: ServeOptions) -> None:
                             f"{opts.model_name!r}", "model", kind="not_found_error")
 
 
+def engine_unavailable(reason: str) -> ApiError:
+    """503 for a dead engine: the details (a worker's traceback) go to the log only."""
+    request_id = uuid.uuid4().hex[:12]
+    logger.warning("answered 503 (request id %s): the engine is not available: %s",
+                   request_id, reason.strip().splitlines()[-1] if reason.strip() else reason)
+    return ApiError(503, f"the engine is not available; retry later (request id {request_id})",
+                    kind="service_unavailable")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> Response:
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return _error(e, headers)
 
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, e: EngineOverloadedError) -> Response:
+        return _error(ApiError(503, str(e), kind="service_unavailable"), {"Retry-After": "1"})
+
+    @app.exception_handler(ValueError)
+    async def invalid(_: Request, e: ValueError) -> Response:
+        return _error(value_error(e))
+
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, e: EngineDeadError) -> Response:
-        return _error(ApiError(503, f"the engine is dead: {e}", kind="service_unavailable"))
+        return _error(engine_unavailable(str(e)), {"Retry-After": "1"})
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> Response:
@@ -170,9 +223,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(ApiError(e.status_code, str(e.detail), kind=kind))
 
     @app.exception_handler(Exception)
-    async def bug(_: Request, e: Exception) -> Response:
-        logger.exception("internal error")
-        return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+    async def bug(request: Request, e: Exception) -> Response:
+        request_id = uuid.uuid4().hex[:12]
+        logger.exception("internal error (request id %s) on %s %s", request_id,
+                         request.method, request.url.path)
+        return _error(ApiError(500, f"internal error (request id {request_id})",
                                kind="server_error"))
 
 
@@ -181,15 +236,19 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
         app.add_middleware(_ApiKey, expected=f"Bearer {api_key}".encode())
 
 
+_OPEN_PATHS = ("/health", "/live", "/metrics", "/version")   # no key: probes and scrapers
+
+
 class _ApiKey:
-    """401 on /v1/* without `Authorization: Bearer KEY` (plain ASGI: streams pass through)."""
+    """401 without `Authorization: Bearer KEY` on everything but the probes (/health,
+    /metrics, /version): /v1/*, /tokenize, /detokenize (plain ASGI: streams pass through)."""
 
     def __init__(self, app: Any, expected: bytes) -> None:
         self.app = app
         self.expected = expected
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 error = _error(ApiError(401, "invalid or missing API key (Authorization: "
@@ -205,8 +264,21 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, opts: ServeOptions) -> N
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead is not None:
-            return _error(ApiError(503, f"the engine is dead: {engine.dead}",
+        """Readiness: 503 while the engine restarts, the server drains, or it gave up."""
+        state = ("the engine is not available" if engine.dead is not None else
+                 "the engine is restarting" if engine.engine.restarting else
+                 "the server is shutting down" if engine.draining is not None else None)
+        if state is not None:
+            return _error(ApiError(503, state, kind="service_unavailable"),
+                          {"Retry-After": "1"})
+        return Response(status_code=200)
+
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 503 only once the server gave up on its engine (restarts used up), when
+        only a new process can help; a restart or a drain is not a reason to kill it."""
+        if engine.dead is not None and engine.draining is None:
+            return _error(ApiError(503, "the engine is not available",
                                    kind="service_unavailable"))
         return Response(status_code=200)
 
@@ -240,51 +312,138 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-def _add_token_routes(app: FastAPI, engine: AsyncEngine) -> None:
+def _add_token_routes(app: FastAPI, engine: AsyncEngine, opts: ServeOptions) -> None:
     tokenizer = engine.processor.tokenizer
     config = engine.processor.config.model
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        req = parse(await request.body(), TokenizeRequest, generation=False)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+    def tokenize_text(req: TokenizeRequest) -> list[int]:      # in the pool
         try:
             text = req.prompt if req.prompt is not None else tokenizer.apply_chat_template(
                 req.messages or [], req.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        ids = tokenizer.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+        limit = config.max_model_len * tokenizer.max_token_chars
+        if len(text) > limit:
+            raise ApiError(400, f"the text has {len(text)} characters; at most {limit} "
+                                "(max_model_len tokens of the longest token) are tokenized",
+                           "prompt")
+        return tokenizer.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse(await read_body(request, opts.max_request_bytes), TokenizeRequest,
+                    generation=False)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is not None and len(req.messages) > MAX_MESSAGES:
+            raise ApiError(400, f"messages has {len(req.messages)} entries; at most "
+                                f"{MAX_MESSAGES} are allowed", "messages")
+        ids = await engine.run_blocking(tokenize_text, req)
         return _json({"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = parse(await request.body(), DetokenizeRequest, generation=False)
+        req = parse(await read_body(request, opts.max_request_bytes), DetokenizeRequest,
+                    generation=False)
+        if len(req.tokens) > config.max_model_len:
+            raise ApiError(400, f"tokens has {len(req.tokens)} ids; at most max_model_len="
+                                f"{config.max_model_len} are decoded", "tokens")
         bad = next((t for t in req.tokens if not 0 <= t < config.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary "
+            raise ApiError(400, f"token id {str(bad)[:40]} is outside the vocabulary "
                                 f"[0, {config.vocab_size})", "tokens")
-        return _json({"prompt": tokenizer.decode(req.tokens)})
+        return _json({"prompt": await engine.run_blocking(tokenizer.decode, req.tokens)})
+
+
+# --- the HTTP connections ----------------------------------------------------------------
+
+class _GuardedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol with kvflow's two limits: a connection beyond
+    `max_connections` is closed at once (uvicorn's own limit_concurrency would still hold it
+    open to answer 503), and a client must send a whole request (headers and body) within
+    `request_timeout` seconds of connecting or of its previous response (uvicorn arms no
+    timer before the first request, nor while bytes trickle in)."""
+    max_connections = 1024
+    request_timeout = 30.0
+    _last_refusal_log = 0.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            now = time.monotonic()
+            if now - _GuardedHttp._last_refusal_log > 10:
+                _GuardedHttp._last_refusal_log = now
+                logger.warning("refusing HTTP connections: %d are open (--max-connections)",
+                               len(self.connections) - 1)
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.request_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def _http_protocol(opts: ServeOptions) -> type[_GuardedHttp]:
+    return type("KvflowHttp", (_GuardedHttp,), {"max_connections": opts.max_connections,
+                                                "request_timeout": opts.http_timeout})
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Room for `wanted` descriptors (connections plus the process's own), as far as the hard
+    limit allows; warn otherwise."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            logger.warning("open-file limit %d is below --max-connections + 256 = %d: raise "
+                           "it (ulimit -n) or lower --max-connections", new, wanted)
 
 
 # --- the process's main loop -------------------------------------------------------------
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn that stops on SIGINT/SIGTERM without re-raising the signal afterwards (its
-    default), so the frontend can fail open requests, stop the engine and exit 0; `stopping`
-    is set at once, waking the loop."""
+    """uvicorn that does not stop by itself on SIGINT/SIGTERM (nor re-raise the signal
+    afterwards, its default): the first signal sets `stopping` (the frontend drains, then sets
+    should_exit), a second sets `forced` too."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.stopping = asyncio.Event()
+        self.forced = asyncio.Event()
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
 
         def stop(*_: object) -> None:
-            self.should_exit = True
-            loop.call_soon_threadsafe(self.stopping.set)
+            event = self.forced if self.stopping.is_set() else self.stopping
+            loop.call_soon_threadsafe(event.set)
         old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
@@ -293,16 +452,24 @@ class _Uvicorn(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def serve(engine: MultiprocEngine, processor: InputProcessor, opts: ServeOptions) -> None:
-    """Serve until SIGINT/SIGTERM; then fail what is open, stop the engine."""
-    aengine = AsyncEngine(engine, processor, Metrics(opts.model_name))
+async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: ServeOptions
+                ) -> None:
+    """Serve until SIGINT/SIGTERM; then drain (up to --shutdown-timeout), stop the engine."""
+    max_waiting = opts.max_waiting_requests
+    if max_waiting is None:
+        max_waiting = default_max_waiting(processor.config.scheduler.max_num_seqs)
+    aengine = AsyncEngine(engine, processor, Metrics(opts.model_name), max_waiting)
     aengine.start()
-    zmq_server = ZmqServer(aengine, opts.client_address) if opts.client_address else None
+    zmq_server = (ZmqServer(aengine, opts.client_address, opts.api_key, opts.max_request_bytes)
+                  if opts.client_address else None)
     zmq_task = (asyncio.get_running_loop().create_task(zmq_server.serve_forever())
                 if zmq_server else None)
+    _raise_fd_limit(opts.max_connections + 256)
     config = uvicorn.Config(build_app(aengine, opts), host=opts.host, port=opts.port,
                             log_level="warning", timeout_graceful_shutdown=3,
-                            loop="none", lifespan="off")
+                            loop="none", lifespan="off", http=_http_protocol(opts),
+                            timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=64 * 1024)
     server = _Uvicorn(config)
     http_task = asyncio.get_running_loop().create_task(server.serve())
     try:
@@ -313,19 +480,36 @@ async def serve(engine: MultiprocEngine, processor: InputProcessor, opts: ServeO
             raise RuntimeError(f"the HTTP server could not start on {opts.host}:{opts.port}")
         logger.info("serving on http://%s:%d%s", opts.host, opts.port,
                     f" and kvflow clients on {opts.client_address}" if zmq_server else "")
-        await _until_stopped(server, http_task, aengine)
+        await _until_stopped(server, http_task, aengine, opts.shutdown_timeout)
     finally:
         await _stop(server, http_task, aengine, zmq_server, zmq_task)
 
 
-async def _until_stopped(server: _Uvicorn, http_task: asyncio.Task, engine: AsyncEngine
-                         ) -> None:
-    """Wait for a stop signal; then fail open requests first, so their streams end and
-    uvicorn's graceful shutdown does not wait on them."""
+async def _until_stopped(server: _Uvicorn, http_task: asyncio.Task, engine: AsyncEngine,
+                         shutdown_timeout: float) -> None:
+    """Wait for a stop signal, then drain: new requests get 503 and /health 503 (load
+    balancers take this replica out) while requests in flight finish, for up to
+    `shutdown_timeout` seconds or until a second signal; what is left is aborted (each answer
+    ends with finish_reason "abort"), then the engine stops."""
     stopped = asyncio.ensure_future(server.stopping.wait())
     await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    logger.warning("signal received; shutting down")
+    if http_task.done():
+        return
+    engine.draining = "the server is shutting down; retry on another replica"
+    logger.warning("signal received; draining %d request(s) for up to %g s (a second signal "
+                   "stops at once)", len(engine.streams), shutdown_timeout)
+    deadline = time.monotonic() + shutdown_timeout
+    while engine.streams and not server.forced.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.streams:
+        logger.warning("aborting %d request(s) still in flight", len(engine.streams))
+        engine.abort_all()
+        for _ in range(40):                  # let their last chunks leave
+            if not engine.streams or engine.dead is not None:
+                break
+            await asyncio.sleep(0.05)
+    server.should_exit = True
     engine.fail_all("the server is shutting down")
 
 

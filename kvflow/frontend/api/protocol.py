@@ -11,9 +11,11 @@ import logging
 import re
 from typing import Any, Callable
 
+import math
+
 import msgspec
 
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import MAX_LOGIT_BIAS, SamplingParams, _short
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # kvflow's extension: seconds after which the request is aborted (finish_reason "abort",
+    # with what it has); None: no deadline.
+    timeout: float | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -123,6 +128,10 @@ _IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "reasoni
             "spaces_between_special_tokens", "echo", "stream_options", "priority"}
 
 
+MAX_MESSAGES = 1024      # chat messages per request
+MAX_PROMPTS = 1024       # prompts in one completions request
+
+
 def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> Any:
     """Decode and type-check a JSON body into `kind`; 400 naming the field otherwise. For a
     generation request (`generation`), fields kvflow does not implement are refused too."""
@@ -130,6 +139,10 @@ def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> A
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "malformed JSON body: it is not valid UTF-8") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the JSON body must be an object")
     raw = {k: v for k, v in raw.items() if v is not None}    # null is "not given"
@@ -138,16 +151,17 @@ def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> A
         unsupported = {}
     for name, accepted in unsupported.items():
         if name in raw and not accepted(raw[name]):
-            raise ApiError(400, f"{name}={raw[name]!r} is not supported by kvflow", name)
+            raise ApiError(400, f"{name}={_short(raw[name])} is not supported by kvflow", name)
     unknown = sorted(set(raw) - set(kind.__struct_fields__) - _IGNORED)
     if unknown:                                  # as vLLM does: accepted, but said
-        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        logger.warning("ignoring %d unknown request field(s): %s", len(unknown),
+                       _short(", ".join(unknown[:10]), 200))
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
         match = re.search(r"at `\$\.(\w+)|missing required field `(\w+)`", str(e))
         param = next((g for g in match.groups() if g), None) if match else None
-        raise ApiError(400, f"invalid request: {e}", param) from None
+        raise ApiError(400, f"invalid request: {_short(str(e), 300)}", param) from None
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -157,6 +171,9 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
                                            for t in x)
     if isinstance(prompt, str):
         return [prompt]
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+        raise ApiError(400, f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS} are "
+                            "allowed in one request", "prompt")
     if isinstance(prompt, list) and prompt:
         if is_ids(prompt):
             return [prompt]
@@ -174,10 +191,13 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
     """Messages for the chat template: roles checked, text parts joined."""
     if not request.messages:
         raise ApiError(400, "messages must not be empty", "messages")
+    if len(request.messages) > MAX_MESSAGES:
+        raise ApiError(400, f"messages has {len(request.messages)} entries; at most "
+                            f"{MAX_MESSAGES} are allowed", "messages")
     out = []
     for i, m in enumerate(request.messages):
         if m.role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role={m.role!r} is not supported (system, "
+            raise ApiError(400, f"messages[{i}].role={_short(m.role)} is not supported (system, "
                                 "developer, user, assistant)", "messages")
         if m.tool_calls:
             raise ApiError(400, f"messages[{i}].tool_calls is not supported by kvflow "
@@ -191,23 +211,36 @@ def _content(content: str | list[TextPart] | None, i: int) -> str:
         return content or ""
     for part in content:
         if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages[{i}].content: part type {part.type!r} is not "
+            raise ApiError(400, f"messages[{i}].content: part type {_short(part.type)} is not "
                                 "supported (only text)", "messages")
     return "\n".join(part.text or "" for part in content)
 
 
+def check_request_shape(request: _Sampling, max_n: int) -> None:
+    """What must hold before any work is done for a request: n within --max-n, a sane
+    deadline."""
+    if not 1 <= request.n <= max_n:
+        raise ApiError(400, f"n={_short(request.n)} must be in [1, {max_n}] (the server's "
+                            "--max-n)", "n")
+    if request.timeout is not None and not (math.isfinite(request.timeout)
+                                            and request.timeout > 0):
+        raise ApiError(400, f"timeout={request.timeout!r} must be a positive number of "
+                            "seconds", "timeout")
+
+
 def choice_params(request: _Sampling, max_tokens: int, logprobs: int | None
                   ) -> list[SamplingParams]:
-    """The SamplingParams of each of the request's n choices."""
-    if request.n < 1:
-        raise ApiError(400, f"n={request.n} must be >= 1", "n")
+    """The SamplingParams of each of the request's n choices (n is checked already)."""
     return [sampling_params(request, max_tokens, logprobs, i) for i in range(request.n)]
 
 
 def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
                     choice: int) -> SamplingParams:
     """The SamplingParams of one choice (n > 1 gives each its own seed)."""
-    if request.logit_bias is not None and not all(re.fullmatch(r"-?\d+", k)
+    if request.logit_bias is not None and len(request.logit_bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias has {len(request.logit_bias)} entries; at most "
+                            f"{MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    if request.logit_bias is not None and not all(re.fullmatch(r"-?\d{1,12}", k)
                                                   for k in request.logit_bias):
         raise ApiError(400, "logit_bias keys must be token ids", "logit_bias")
     try:
@@ -216,7 +249,7 @@ def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
             top_k=-1 if request.top_k in (None, 0) else request.top_k, min_p=request.min_p,
             max_tokens=max_tokens, stop=_stop_list(request.stop),
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-            seed=None if request.seed is None else request.seed + choice, logprobs=logprobs,
+            seed=_choice_seed(request.seed, choice), logprobs=logprobs,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
@@ -228,6 +261,13 @@ def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
         raise value_error(e) from None
 
 
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice i's seed: seed + i, wrapped within 64 bits (seed is checked to be 64-bit)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice + 2**63) % 2**64 - 2**63
+
+
 def _stop_list(stop: str | list[str] | None) -> list[str] | None:
     if isinstance(stop, str):
         return [stop]
@@ -237,7 +277,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str] | None:
 def value_error(e: ValueError) -> ApiError:
     """The engine's ValueError as a 400, with the field it names as `param`."""
     message = str(e)
-    match = re.search(r"SamplingParams\.(\w+)=", message)
+    match = re.search(r"SamplingParams\.(\w+)", message)
     if match:
         return ApiError(400, message, match.group(1))
     if "logit_bias" in message:

@@ -14,12 +14,12 @@ import msgspec
 
 from kvflow.errors import EngineDeadError
 from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
-                                          chat_messages, choice_params, completion_prompts,
-                                          value_error)
+                                          chat_messages, check_request_shape, choice_params,
+                                          completion_prompts, value_error)
 from kvflow.frontend.async_engine import AsyncEngine, Delta, RequestStream
 from kvflow.frontend.processor import Prompt
 from kvflow.frontend.tokenizer import Tokenizer
-from kvflow.ipc.messages import FinishReason
+from kvflow.ipc.messages import INTERNAL_ERROR, FinishReason
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _encode = msgspec.json.encode
@@ -52,9 +52,10 @@ class Job:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_n: int) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_n = max_n
         self.tokenizer: Tokenizer = engine.processor.tokenizer
         processor = engine.processor
         self.max_context = min(processor.config.model.max_model_len,
@@ -63,6 +64,8 @@ class Serving:
     # --- building requests -----------------------------------------------------------------
 
     def completion_items(self, req: CompletionRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+        """The prompts and their choices' params: cheap checks only (no tokenization)."""
+        check_request_shape(req, self.max_n)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"logprobs={req.logprobs} must be in [0, {MAX_LOGPROBS}]",
                            "logprobs")
@@ -76,19 +79,27 @@ class Serving:
         params = choice_params(req, max_tokens, req.logprobs)
         return [(p, params) for p in completion_prompts(req.prompt)]
 
-    def chat_items(self, req: ChatRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+    def check_chat(self, req: ChatRequest) -> None:
+        """The cheap checks, on the event loop before any work."""
+        check_request_shape(req, self.max_n)
+        chat_messages(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = req.top_logprobs or 0
         if not 0 <= top <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs={top} must be in [0, {MAX_LOGPROBS}]",
                            "top_logprobs")
+
+    def chat_items(self, req: ChatRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+        """The rendered, tokenized conversation and its choices' params (in the engine's
+        pool: a chat template over long messages takes a while)."""
+        top = req.top_logprobs or 0
         try:
             text = self.tokenizer.apply_chat_template(chat_messages(req),
                                                       req.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        prompt = self.tokenizer.encode(text)
+        prompt = self.engine.processor.encode_prompt(text)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:      # OpenAI: what the context (and here the KV cache) leaves
             if len(prompt) >= self.max_context:
@@ -98,19 +109,21 @@ class Serving:
         logprobs = top if req.logprobs else None
         return [(prompt, choice_params(req, max_tokens, logprobs))]
 
-    def open(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
-             echo: bool = False) -> None:
-        """Submit every choice, or none: a bad one aborts those already sent and raises
-        ApiError (EngineDeadError if the engine is gone). `close` must follow."""
+    async def open(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
+                   echo: bool = False, timeout: float | None = None) -> None:
+        """Tokenize and check every choice (off the event loop), then submit them all, or
+        none: a bad one raises ApiError (EngineDeadError if the engine is gone) before any is
+        sent. `close` must follow."""
         try:
-            for prompt_index, (prompt, params) in enumerate(items):
-                for p in params:
-                    stream = self.engine.add(prompt, p)
+            prepared = [await self.engine.prepare(prompt, params) for prompt, params in items]
+        except ValueError as e:
+            raise value_error(e) from None
+        try:
+            for prompt_index, trackers in enumerate(prepared):
+                for tracker in trackers:
+                    stream = self.engine.submit(tracker, timeout)
                     text = self._prompt_text(stream) if echo else ""
                     job.choices.append(Choice(len(job.choices), prompt_index, stream, text))
-        except ValueError as e:
-            self.close(job)
-            raise value_error(e) from None
         except BaseException:
             self.close(job)
             raise
@@ -232,6 +245,8 @@ async def _drain(stream: RequestStream) -> None:
 def _check_error(stream: RequestStream) -> None:
     out = stream.output
     if out.finish_reason == FinishReason.ERROR:
+        if out.error == INTERNAL_ERROR:
+            raise ApiError(500, out.error, kind="server_error")
         raise ApiError(400, out.error or "the engine rejected the request")
 
 
