@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 RESTART_WINDOW = 600.0       # seconds: max_engine_restarts counts restarts within this window
 POISON_CRASHES = 2           # a request in the step of this many crashes is not sent again
-POISON_ERROR = ("this request was in the step of {n} engine crashes; it is not retried (the "
-                "server's log has the details)")
+POISON_ERROR = ("internal error: this request was in the step of {n} engine crashes; it is "
+                "not retried (the server's log has the details)")
 
 
 @dataclass
@@ -229,16 +229,16 @@ class SupervisedEngine:
         return [EngineOutputs(replies, self.stats)]
 
     def _release_suspect(self) -> None:
-        """Suspects go to the engine one at a time: the next once none is unproven there."""
+        """Send what is held, in order: every request that is no suspect, and suspects one at
+        a time (the next once none is unproven at the engine)."""
         if self.engine is None or self.engine.dead is not None:
             return
-        if any(t.sent and t.crashes for t in self.tracked.values()):
-            return
+        suspect_out = any(t.sent and t.crashes for t in self.tracked.values())
         for t in self.tracked.values():
-            if not t.sent:
-                self._send(t)
-                if t.crashes:
-                    return
+            if t.sent or (t.crashes and suspect_out):
+                continue
+            self._send(t)
+            suspect_out = suspect_out or bool(t.crashes)
 
     # --- death, hangs, restarts --------------------------------------------------------------
 

@@ -24,8 +24,9 @@ class FinishReason(str, enum.Enum):
 
 
 # The error of a request whose step raised in a worker: the details are in the logs only.
-INTERNAL_ERROR = ("internal error: the engine failed while computing this request, which was "
-                  "stopped (the server's log has the details)")
+INTERNAL_ERROR_PREFIX = "internal error:"     # such errors are the server's (HTTP 500)
+INTERNAL_ERROR = (f"{INTERNAL_ERROR_PREFIX} the engine failed while computing this request, "
+                  "which was stopped (the server's log has the details)")
 
 
 class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

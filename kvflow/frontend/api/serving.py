@@ -19,7 +19,7 @@ from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionReque
 from kvflow.frontend.async_engine import AsyncEngine, Delta, RequestStream
 from kvflow.frontend.processor import Prompt
 from kvflow.frontend.tokenizer import Tokenizer
-from kvflow.ipc.messages import INTERNAL_ERROR, FinishReason
+from kvflow.ipc.messages import INTERNAL_ERROR_PREFIX, FinishReason
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _encode = msgspec.json.encode
@@ -245,7 +245,7 @@ async def _drain(stream: RequestStream) -> None:
 def _check_error(stream: RequestStream) -> None:
     out = stream.output
     if out.finish_reason == FinishReason.ERROR:
-        if out.error == INTERNAL_ERROR:
+        if (out.error or "").startswith(INTERNAL_ERROR_PREFIX):
             raise ApiError(500, out.error, kind="server_error")
         raise ApiError(400, out.error or "the engine rejected the request")
 
