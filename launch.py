@@ -84,6 +84,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds for every rank on every node to load and join; then "
                              "start-up fails naming the ranks missing (also torch.distributed's "
                              "limit for one collective)")
+    parser.add_argument("--cluster-secret-file", default=None,
+                        help="several nodes: a file holding the secret every node shares "
+                             "(default: $KVFLOW_CLUSTER_SECRET); it authenticates and encrypts "
+                             "EngineCore's sockets and signs what node 0 puts in its store. "
+                             "Make one with: python -c \"import secrets; "
+                             "print(secrets.token_hex(32))\" > secret; chmod 600 secret")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
