@@ -259,6 +259,15 @@ def test_cluster_info_signature(tiny: str, monkeypatch: pytest.MonkeyPatch) -> N
         ClusterKeys(secrets.token_hex(32).encode()).verify(blob)
 
 
+def try_send(sock: zmq.Socket, msg: msgspec.Struct) -> None:
+    """A stranger's send: queued while its connection tries a handshake; refused (zmq.Again)
+    once a failed handshake has dropped the connection and the next attempt has not begun."""
+    try:
+        sock.send(msgspec.msgpack.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def test_curve_keeps_strangers_out() -> None:
     """EngineCore's three kinds of socket, in one process: the cluster's clients talk; a peer
     with no CURVE, with another secret's keys, or even knowing the server's public key but not
@@ -285,9 +294,10 @@ def test_curve_keeps_strangers_out() -> None:
         while not sub.poll(50):                            # PUB/SUB: wait until joined
             plans.send(Ping(1))
             assert time.monotonic() < deadline
-        for stranger_sub, stranger_push in strangers:
-            Channel[FromWorker](stranger_push, FromWorker).send(ChildFailed("x", "forged"))
-        time.sleep(0.5)                                    # time for their handshakes to fail
+        for _ in range(10):                                # they try for 0.5 s
+            for _, stranger_push in strangers:
+                try_send(stranger_push, ChildFailed("x", "forged"))
+            time.sleep(0.05)
         plans.send(Ping(2))
         Channel[FromWorker](push, FromWorker).send(StepResult([], []))
         assert pull.poll(2000)
@@ -363,6 +373,94 @@ def test_unreachable_master_loopback(nodes, tiny: str) -> None:
     print(f"\n[latency] unreachable master -> error after {time.monotonic() - start:.1f} s "
           "(timeout 4 s, plus start-up)")
     assert not tagged_processes(node1.tag)
+
+
+def test_launch_without_secret_refused(nodes, tiny: str) -> None:
+    """Both kinds of node refuse to start without a secret, before loading anything."""
+    port = free_port()
+    started = [nodes(0, tiny, "127.0.0.1", port, secret=None),
+               nodes(1, tiny, "127.0.0.1", port, secret=None)]
+    for s in started:
+        assert wait_exit(s, 30) == 1, s.log
+        assert "error: several nodes (nnodes > 1) need a shared cluster secret" in s.log, s.log
+        assert "secrets.token_hex(32)" in s.log and "--cluster-secret-file" in s.log
+        assert not tagged_processes(s.tag)
+
+
+def engine_addresses(node0: ServeProcess) -> tuple[str, str, str]:
+    """EngineCore's plan, result and control addresses, as it logs them."""
+    found = re.search(r"EngineCore listens for the other nodes on (\S+) \(plans\), (\S+) "
+                      r"\(results\), (\S+) \(heartbeats\)", node0.log)
+    assert found, node0.log
+    return found.group(1), found.group(2), found.group(3)
+
+
+def test_loopback_stranger_cannot_read_inject_or_stop(nodes, tiny: str,
+                                                      reference: list[list[int]]) -> None:
+    """A process that knows EngineCore's addresses but not the secret, with no CURVE or with
+    another secret's keys: it reads no plan while requests are served, and its forged
+    StepResult, ChildFailed and heartbeat neither change an answer nor stop the cluster."""
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port)
+    node1 = nodes(1, tiny, "127.0.0.1", port)
+    node0.wait_serving()
+    plan_at, result_at, control_at = engine_addresses(node0)
+    other = ClusterKeys(secrets.token_hex(32).encode())
+    ctx = zmq.Context()
+    try:
+        subs, senders = [], []
+        for keys in (None, other):
+            subs.append(make_socket(ctx, zmq.SUB, plan_at, False, keys=keys))
+            senders += [make_socket(ctx, zmq.PUSH, result_at, False, keys=keys),
+                        make_socket(ctx, zmq.DEALER, control_at, False, keys=keys,
+                                    identity=b"node1")]
+        done = threading.Event()
+
+        def inject() -> None:                         # keeps trying while requests run
+            while not done.wait(0.05):
+                for sock in senders:
+                    for msg in (StepResult(["0"], [1]), ChildFailed("worker 1", "forged"),
+                                Heartbeat(1)):
+                        try_send(sock, msg)
+        injector = threading.Thread(target=inject)
+        injector.start()
+        try:
+            time.sleep(0.5)
+            assert generate(node0.address) == reference   # plans were published meanwhile
+            for sub in subs:
+                assert not sub.poll(0), "a stranger received a plan"
+            assert generate(node0.address) == reference   # still serving, still right
+        finally:
+            done.set()
+            injector.join()
+    finally:
+        ctx.destroy(linger=0)
+    assert not exited(node0.started[0]) and node1.proc.poll() is None
+    assert "failed" not in node0.log, node0.log
+    node0.signal(signal.SIGTERM)
+    assert wait_exit(node0, 15) == 0, node0.log
+    assert wait_exit(node1, 10) == 0, node1.log
+
+
+def test_loopback_wrong_secret(nodes, tiny: str) -> None:
+    """A headless node with another secret: refused, and node 0 says why, both at once."""
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port, "--startup-timeout", "60")
+    node1 = nodes(1, tiny, "127.0.0.1", port, "--startup-timeout", "60",
+                  secret=secrets.token_hex(32))
+    start = time.monotonic()
+    assert wait_exit(node1, 60) == 1
+    assert wait_exit(node0, 30) != 0
+    assert ("error: node 1 refused to join: the cluster secret differs from node 0's"
+            in node1.log), node1.log
+    assert ("error: EngineCore failed: node 1 failed:\nnode 1 refused to join: the ClusterInfo "
+            "this node signed did not verify there, so its cluster secret differs from node "
+            "0's") in node0.log, node0.log
+    took = time.monotonic() - start
+    print(f"\n[latency] wrong secret on node 1 -> both nodes' errors after {took:.1f} s "
+          "(start-up timeout 60 s)")
+    assert took < 30
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
 
 
 # --- two network namespaces, each with its own address ----------------------------------------

@@ -55,6 +55,9 @@ def check_secret(path: str | None) -> str | None:
     if path:
         path = os.path.abspath(path)
     read_secret(path)
+    if path and os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("cluster_secret_file=%r can be read by other users (mode %o): chmod 600 "
+                       "it", path, stat.S_IMODE(os.stat(path).st_mode))
     return path
 
 
@@ -65,13 +68,9 @@ def read_secret(path: str | None) -> bytes:
         try:
             with open(path, "rb") as f:
                 secret = f.read().strip()
-            mode = os.stat(path).st_mode
         except OSError as e:
             raise ValueError(f"cluster_secret_file={path!r} cannot be read: {e.strerror}; "
                              f"{HOW_TO}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            logger.warning("cluster_secret_file=%r is readable by other users (mode %o): "
-                           "chmod 600 it", path, stat.S_IMODE(mode))
         where = f"cluster_secret_file={path!r}"
     else:
         secret = os.environ.get(SECRET_VAR, "").strip().encode()
