@@ -92,6 +92,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="restarts of a dead or hung engine (EngineCore or a worker) within "
                              "10 minutes, every unfinished request resumed; then the server "
                              "gives up and answers 503 (0: fail-stop, as vLLM)")
+    parser.add_argument("--cluster-secret-file", default=None,
+                        help="several nodes: a file holding the secret every node shares "
+                             "(default: $KVFLOW_CLUSTER_SECRET); it authenticates and encrypts "
+                             "EngineCore's sockets and signs what node 0 puts in its store. "
+                             "Make one with: python -c \"import secrets; "
+                             "print(secrets.token_hex(32))\" > secret; chmod 600 secret")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -30,6 +31,8 @@ def free_port() -> int:
 def run(args: argparse.Namespace, nnodes: int, prompts: list[list[int]],
         outputs: list[int]) -> tuple[float, dict[str, float]]:
     from kvflow import LLM
+    from kvflow.ipc.auth import SECRET_VAR
+    os.environ.setdefault(SECRET_VAR, secrets.token_hex(32))   # the nodes' shared secret
     port = free_port()
     headless = [subprocess.Popen(
         [sys.executable, os.path.join(REPO, "launch.py"), "serve", "--headless", "--model",

@@ -53,6 +53,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     startup_timeout: float = 300.0     # seconds for every rank to load and join
+    # Several nodes: the file holding the shared cluster secret (None: $KVFLOW_CLUSTER_SECRET).
+    # Only the path travels (to children, and in ClusterInfo through the store); each process
+    # reads the secret itself (kvflow/ipc/auth.py).
+    cluster_secret_file: str | None = None
 
     @property
     def store_port(self) -> int:
@@ -174,6 +178,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     startup_timeout: float = 300.0        # seconds for every rank (every node) to be ready
     step_timeout: float = 60.0            # a step unfinished after this (+ per token) hung
     max_engine_restarts: int = 3          # restarts within 10 minutes before giving up
+    cluster_secret_file: str | None = None  # several nodes: the shared secret (or the env var)
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
@@ -282,9 +287,14 @@ def _parallel_config(o: EngineOptions) -> ParallelConfig:
         raise ValueError("master_addr must name node 0 (an IP address or a host name)")
     if not isinstance(o.startup_timeout, (int, float)) or not o.startup_timeout > 0:
         raise ValueError(f"startup_timeout={o.startup_timeout!r} must be > 0 seconds")
+    secret_file = None
+    if nnodes > 1:                 # refused up front without one, on every node
+        from kvflow.ipc.auth import check_secret
+        secret_file = check_secret(o.cluster_secret_file)
     return ParallelConfig(tensor_parallel_size=tp, nnodes=nnodes, node_rank=node_rank,
                           master_addr=o.master_addr, master_port=port,
-                          startup_timeout=float(o.startup_timeout))
+                          startup_timeout=float(o.startup_timeout),
+                          cluster_secret_file=secret_file)
 
 
 def _check_positive(**values: int) -> None:

@@ -9,23 +9,35 @@ namespaces joined by a veth pair (each "node" with its own address and interface
 - Node 0 gone (stopped, or SIGKILLed whole): the headless node exits by itself.
 - A node that never joins, an unreachable master, a wrong GLOO_SOCKET_IFNAME: a clear error
   within the start-up timeout, nothing left running.
+- Security (every node shares a cluster secret): none given is refused up front; a peer without
+  it can neither read a plan nor inject a result, a ChildFailed or a heartbeat, and the cluster
+  serves on; a headless node with another secret is refused, and node 0 says so too; a
+  ClusterInfo tampered with in the store is rejected.
 """
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
 
 from cluster_helpers import (ServeProcess, exited, free_port, is_module, tagged_processes,
                              wait_exited, WORKER_MODULE)
 from kvflow import LLM, Client, EngineDeadError, SamplingParams
 from kvflow.config import make_engine_config
 from kvflow.core.executor import HEARTBEAT_TIMEOUT
+from kvflow.ipc.auth import SECRET_VAR, Authenticator, ClusterKeys, SecretMismatch
+from kvflow.ipc.messages import (ChildFailed, ClusterInfo, FromWorker, Heartbeat, Ping,
+                                 StepResult, ToWorker)
+from kvflow.ipc.sockets import Channel, ipc_address, make_socket
 from kvflow.ipc.network import host_ip, interface_of
 from kvflow.workers.headless import joined_config
 from netns import NamespacePair, Unavailable
@@ -58,16 +70,29 @@ def netns():
     pair.close()
 
 
+SECRET = secrets.token_hex(32)
+
+
+def secret_file(directory: Any, secret: str) -> str:
+    path = os.path.join(str(directory), f"secret-{secret[:8]}")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        print(secret, file=f)                  # with the newline `print` adds, as documented
+    return path
+
+
 @pytest.fixture
-def nodes():
-    """start(node_rank, model, master_addr, master_port, *args, **kw) -> ServeProcess; every
-    node's processes are killed at the end, whatever happened."""
+def nodes(tmp_path: Any):
+    """start(node_rank, model, master_addr, master_port, *args, secret=SECRET, **kw) ->
+    ServeProcess (secret: the cluster secret, in a file given by --cluster-secret-file; None:
+    no secret); every node's processes are killed at the end, whatever happened."""
     started: list[ServeProcess] = []
 
     def start(node_rank: int, model: str, master_addr: str, master_port: int, *args: str,
-              **kw: Any) -> ServeProcess:
+              secret: str | None = SECRET, **kw: Any) -> ServeProcess:
         flags = ["--tp", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr",
                  master_addr, "--master-port", str(master_port), *args]
+        if secret is not None:
+            flags += ["--cluster-secret-file", secret_file(tmp_path, secret)]
         if node_rank:
             flags.append("--headless")
             kw.setdefault("zmq", False)
@@ -134,7 +159,8 @@ def assert_dead_quickly(request: LongRequest, killed_at: float, match: str) -> f
 
 # --- configuration: no processes ------------------------------------------------------------
 
-def test_layout_errors(tiny: str) -> None:
+def test_layout_errors(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_VAR, SECRET)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must be a multiple of nnodes=4"):
         make_engine_config(tiny, tensor_parallel_size=2, nnodes=4)
     with pytest.raises(ValueError, match=r"node_rank=2 must be in \[0, nnodes=2\)"):
@@ -152,15 +178,19 @@ def test_layout_errors(tiny: str) -> None:
         LLM(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1)
 
 
-def test_headless_node_takes_node_0s_configuration(tiny_models: dict[str, str]) -> None:
+def test_headless_node_takes_node_0s_configuration(tiny_models: dict[str, str], tmp_path: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_VAR, SECRET)
     tiny = tiny_models["llama"]
     node0 = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, dtype="float32",
                                block_size=32, num_threads=1)
     mine = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2, node_rank=1,
-                              num_threads=2)
+                              num_threads=2, cluster_secret_file=secret_file(tmp_path, SECRET))
     joined = joined_config(node0, mine)
     assert joined.model.dtype == "float32" and joined.cache.block_size == 32
     assert joined.num_threads == 2 and joined.parallel.node_rank == 1
+    # Each node reads the secret from its own file (only the path is in the config).
+    assert joined.parallel.cluster_secret_file == mine.parallel.cluster_secret_file
     with pytest.raises(ValueError, match="nnodes=1 on this node but 2 on node 0"):
         joined_config(node0, make_engine_config(tiny, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="is not the model node 0 serves"):
@@ -177,6 +207,107 @@ def test_node_address(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFLOW_HOST_IP")
     with pytest.raises(ValueError, match="master_addr='no-such-host.invalid' does not resolve"):
         host_ip("no-such-host.invalid", 29501)
+
+
+# --- security: no processes -----------------------------------------------------------------
+
+def test_no_secret_refused(tiny: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_VAR, raising=False)
+    how = r"secrets.token_hex\(32\).*--cluster-secret-file"
+    with pytest.raises(ValueError, match=f"need a shared cluster secret, and none was given.*{how}"):
+        make_engine_config(tiny, tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match=f"cannot be read.*{how}"):
+        make_engine_config(tiny, tensor_parallel_size=2, nnodes=2,
+                           cluster_secret_file=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="has 5 characters; it needs at least 16"):
+        make_engine_config(tiny, tensor_parallel_size=2, nnodes=2,
+                           cluster_secret_file=secret_file(tmp_path, "short"))
+    monkeypatch.setenv(SECRET_VAR, SECRET)        # the environment variable serves as well
+    assert make_engine_config(tiny, tensor_parallel_size=2,
+                              nnodes=2).parallel.cluster_secret_file is None
+    assert make_engine_config(tiny).parallel.cluster_secret_file is None   # one node: none
+
+
+def test_one_node_sockets_are_private() -> None:
+    """One node needs no secret: its engine sockets are ipc:// paths in a 0700 directory."""
+    path = ipc_address("plans").removeprefix("ipc://")
+    try:
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    finally:
+        os.rmdir(os.path.dirname(path))
+    run_dir = tempfile.mkdtemp(prefix="kvflow-")          # what MultiprocEngine makes
+    try:
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    finally:
+        os.rmdir(run_dir)
+
+
+def test_cluster_info_signature(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_VAR, SECRET)
+    config = make_engine_config(tiny, tensor_parallel_size=2, nnodes=2)
+    data = msgspec.msgpack.encode(ClusterInfo("tcp://a:1", "tcp://a:2", "tcp://a:3", config))
+    keys = ClusterKeys(SECRET.encode())
+    blob = keys.sign(data)
+    assert SECRET.encode() not in blob                   # the secret is not in the store
+    assert keys.verify(blob) == data
+    forged = blob.replace(b"tcp://a:1", b"tcp://x:1")    # EngineCore's address redirected
+    assert forged != blob
+    for bad in (forged, blob[:20], data, blob[:-1]):
+        with pytest.raises(SecretMismatch):
+            keys.verify(bad)
+    with pytest.raises(SecretMismatch):                  # another cluster's secret
+        ClusterKeys(secrets.token_hex(32).encode()).verify(blob)
+
+
+def try_send(sock: zmq.Socket, msg: msgspec.Struct) -> None:
+    """A stranger's send: queued while its connection tries a handshake; refused (zmq.Again)
+    once a failed handshake has dropped the connection and the next attempt has not begun."""
+    try:
+        sock.send(msgspec.msgpack.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+def test_curve_keeps_strangers_out() -> None:
+    """EngineCore's three kinds of socket, in one process: the cluster's clients talk; a peer
+    with no CURVE, with another secret's keys, or even knowing the server's public key but not
+    the client's key, gets nothing and delivers nothing."""
+    keys = ClusterKeys(SECRET.encode())
+    other = ClusterKeys(secrets.token_hex(32).encode())
+    ctx = zmq.Context()
+    auth = Authenticator(ctx, keys)
+    try:
+        pub = make_socket(ctx, zmq.PUB, "tcp://127.0.0.1:*", True, keys=keys)
+        pull = make_socket(ctx, zmq.PULL, "tcp://127.0.0.1:*", True, keys=keys)
+        plan_at, result_at = (s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (pub, pull))
+        leaked = ClusterKeys(secrets.token_hex(32).encode())
+        leaked.server_public = keys.server_public          # knows the server key only
+
+        def peer(kind: int, address: str, peer_keys: ClusterKeys | None) -> zmq.Socket:
+            return make_socket(ctx, kind, address, False, keys=peer_keys)
+
+        strangers = [(peer(zmq.SUB, plan_at, k), peer(zmq.PUSH, result_at, k))
+                     for k in (None, other, leaked)]
+        sub, push = peer(zmq.SUB, plan_at, keys), peer(zmq.PUSH, result_at, keys)
+        plans = Channel[ToWorker](pub, ToWorker)
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):                            # PUB/SUB: wait until joined
+            plans.send(Ping(1))
+            assert time.monotonic() < deadline
+        for _ in range(10):                                # they try for 0.5 s
+            for _, stranger_push in strangers:
+                try_send(stranger_push, ChildFailed("x", "forged"))
+            time.sleep(0.05)
+        plans.send(Ping(2))
+        Channel[FromWorker](push, FromWorker).send(StepResult([], []))
+        assert pull.poll(2000)
+        assert isinstance(Channel[FromWorker](pull, FromWorker).recv(), StepResult)
+        assert not pull.poll(300)                          # nothing forged came through
+        for stranger_sub, _ in strangers:
+            assert not stranger_sub.poll(0)                # and no plan reached a stranger
+    finally:
+        auth.stop()
+        ctx.destroy(linger=0)
 
 
 # --- two processes on 127.0.0.1 -------------------------------------------------------------
@@ -242,6 +373,94 @@ def test_unreachable_master_loopback(nodes, tiny: str) -> None:
     print(f"\n[latency] unreachable master -> error after {time.monotonic() - start:.1f} s "
           "(timeout 4 s, plus start-up)")
     assert not tagged_processes(node1.tag)
+
+
+def test_launch_without_secret_refused(nodes, tiny: str) -> None:
+    """Both kinds of node refuse to start without a secret, before loading anything."""
+    port = free_port()
+    started = [nodes(0, tiny, "127.0.0.1", port, secret=None),
+               nodes(1, tiny, "127.0.0.1", port, secret=None)]
+    for s in started:
+        assert wait_exit(s, 30) == 1, s.log
+        assert "error: several nodes (nnodes > 1) need a shared cluster secret" in s.log, s.log
+        assert "secrets.token_hex(32)" in s.log and "--cluster-secret-file" in s.log
+        assert not tagged_processes(s.tag)
+
+
+def engine_addresses(node0: ServeProcess) -> tuple[str, str, str]:
+    """EngineCore's plan, result and control addresses, as it logs them."""
+    found = re.search(r"EngineCore listens for the other nodes on (\S+) \(plans\), (\S+) "
+                      r"\(results\), (\S+) \(heartbeats\)", node0.log)
+    assert found, node0.log
+    return found.group(1), found.group(2), found.group(3)
+
+
+def test_loopback_stranger_cannot_read_inject_or_stop(nodes, tiny: str,
+                                                      reference: list[list[int]]) -> None:
+    """A process that knows EngineCore's addresses but not the secret, with no CURVE or with
+    another secret's keys: it reads no plan while requests are served, and its forged
+    StepResult, ChildFailed and heartbeat neither change an answer nor stop the cluster."""
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port)
+    node1 = nodes(1, tiny, "127.0.0.1", port)
+    node0.wait_serving()
+    plan_at, result_at, control_at = engine_addresses(node0)
+    other = ClusterKeys(secrets.token_hex(32).encode())
+    ctx = zmq.Context()
+    try:
+        subs, senders = [], []
+        for keys in (None, other):
+            subs.append(make_socket(ctx, zmq.SUB, plan_at, False, keys=keys))
+            senders += [make_socket(ctx, zmq.PUSH, result_at, False, keys=keys),
+                        make_socket(ctx, zmq.DEALER, control_at, False, keys=keys,
+                                    identity=b"node1")]
+        done = threading.Event()
+
+        def inject() -> None:                         # keeps trying while requests run
+            while not done.wait(0.05):
+                for sock in senders:
+                    for msg in (StepResult(["0"], [1]), ChildFailed("worker 1", "forged"),
+                                Heartbeat(1)):
+                        try_send(sock, msg)
+        injector = threading.Thread(target=inject)
+        injector.start()
+        try:
+            time.sleep(0.5)
+            assert generate(node0.address) == reference   # plans were published meanwhile
+            for sub in subs:
+                assert not sub.poll(0), "a stranger received a plan"
+            assert generate(node0.address) == reference   # still serving, still right
+        finally:
+            done.set()
+            injector.join()
+    finally:
+        ctx.destroy(linger=0)
+    assert not exited(node0.started[0]) and node1.proc.poll() is None
+    assert "failed" not in node0.log, node0.log
+    node0.signal(signal.SIGTERM)
+    assert wait_exit(node0, 15) == 0, node0.log
+    assert wait_exit(node1, 10) == 0, node1.log
+
+
+def test_loopback_wrong_secret(nodes, tiny: str) -> None:
+    """A headless node with another secret: refused, and node 0 says why, both at once."""
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port, "--startup-timeout", "60")
+    node1 = nodes(1, tiny, "127.0.0.1", port, "--startup-timeout", "60",
+                  secret=secrets.token_hex(32))
+    start = time.monotonic()
+    assert wait_exit(node1, 60) == 1
+    assert wait_exit(node0, 30) != 0
+    assert ("error: node 1 refused to join: the cluster secret differs from node 0's"
+            in node1.log), node1.log
+    assert ("error: EngineCore failed: node 1 failed:\nnode 1 refused to join: the ClusterInfo "
+            "this node signed did not verify there, so its cluster secret differs from node "
+            "0's") in node0.log, node0.log
+    took = time.monotonic() - start
+    print(f"\n[latency] wrong secret on node 1 -> both nodes' errors after {took:.1f} s "
+          "(start-up timeout 60 s)")
+    assert took < 30
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
 
 
 # --- two network namespaces, each with its own address ----------------------------------------

@@ -15,6 +15,7 @@ from typing import Callable
 import zmq
 
 from kvflow.config import EngineConfig, ParallelConfig
+from kvflow.ipc.auth import Authenticator, ClusterKeys
 from kvflow.ipc.messages import (ChildFailed, FromNode, FromWorker, Heartbeat, Ping, Pong,
                                  Shutdown, StepPlan, StepResult, ToWorker, WorkerReady)
 from kvflow.ipc.network import host_ip, tcp_address
@@ -53,7 +54,11 @@ class MultiprocExecutor:
         parallel = config.parallel
         self.size = parallel.tensor_parallel_size
         self.startup_timeout = parallel.startup_timeout
-        self.nodes = RemoteNodes(ctx, parallel) if parallel.nnodes > 1 else None
+        # Several nodes: CURVE on every tcp socket, clients checked by a ZAP handler; one node
+        # binds ipc:// paths in its private run_dir and needs neither.
+        keys = ClusterKeys.load(parallel.cluster_secret_file) if parallel.nnodes > 1 else None
+        self.auth = Authenticator(ctx, keys) if keys else None
+        self.nodes = RemoteNodes(ctx, parallel, keys) if keys else None
         if self.nodes is None:
             plan_address = ipc_address("plans", run_dir)
             result_address = ipc_address("results", run_dir)
@@ -62,9 +67,10 @@ class MultiprocExecutor:
         else:                  # tcp on a free port of this node's address: other nodes connect
             plan_address = result_address = self.nodes.any_port
             dist_address = tcp_address(parallel.master_addr, parallel.store_port)
-        self.plans = Channel[ToWorker](make_socket(ctx, zmq.PUB, plan_address, True), ToWorker)
-        self.results = Channel[FromWorker](make_socket(ctx, zmq.PULL, result_address, True),
-                                           FromWorker)
+        self.plans = Channel[ToWorker](make_socket(ctx, zmq.PUB, plan_address, True, keys=keys),
+                                       ToWorker)
+        self.results = Channel[FromWorker](make_socket(ctx, zmq.PULL, result_address, True,
+                                                       keys=keys), FromWorker)
         plan_address, result_address = (bound_address(c.sock) for c in (self.plans,
                                                                          self.results))
         control = ["--control-address", self.nodes.address] if self.nodes else []
@@ -206,6 +212,9 @@ class MultiprocExecutor:
         deadline = time.monotonic() + grace
         for p in self.procs:
             p.stop(max(0.1, deadline - time.monotonic()))
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
 
 class RemoteNodes:
@@ -215,12 +224,12 @@ class RemoteNodes:
     requests fail within seconds even when a collective would hang (NCCL) or a node vanishes
     without closing its connections."""
 
-    def __init__(self, ctx: zmq.Context, parallel: ParallelConfig) -> None:
+    def __init__(self, ctx: zmq.Context, parallel: ParallelConfig, keys: ClusterKeys) -> None:
         self.parallel = parallel
         self.ip = host_ip(parallel.master_addr, parallel.store_port)
         self.any_port = tcp_address(self.ip, "*")
-        self.control = Channel[FromNode](make_socket(ctx, zmq.ROUTER, self.any_port, True),
-                                         FromNode)
+        self.control = Channel[FromNode](make_socket(ctx, zmq.ROUTER, self.any_port, True,
+                                                     keys=keys), FromNode)
         self.address = bound_address(self.control.sock)
         self.last_seen: dict[int, float] = {}       # node rank -> when it last spoke
         self.identities: dict[int, bytes] = {}
@@ -257,8 +266,9 @@ class RemoteNodes:
         return (f"node(s) {absent} (ranks {ranks}) did not join within the start-up timeout "
                 f"({p.startup_timeout:g} s): start `launch.py serve --headless --nnodes "
                 f"{p.nnodes} --node-rank N --master-addr {p.master_addr} --master-port "
-                f"{p.master_port} --tp {p.tensor_parallel_size} --model ...` on each; they "
-                f"must reach {p.master_addr}:{p.master_port} and this node's {self.ip}")
+                f"{p.master_port} --tp {p.tensor_parallel_size} --cluster-secret-file ... "
+                f"--model ...` on each; they must reach {p.master_addr}:{p.master_port} and "
+                f"this node's {self.ip}, with node 0's cluster secret")
 
     def shutdown(self) -> None:
         data = self.control.encoder.encode(Shutdown())

@@ -13,6 +13,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 
+from kvflow.ipc.auth import ClusterKeys
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -24,7 +26,8 @@ def ipc_address(name: str, directory: str | None = None) -> str:
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
-                identity: bytes | None = None) -> zmq.Socket:
+                identity: bytes | None = None, keys: ClusterKeys | None = None) -> zmq.Socket:
+    """`keys`: CURVE with the cluster's keys (several nodes: tcp), server when binding."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)            # never block process exit on unsent messages
     if kind in (zmq.PUSH, zmq.PUB, zmq.DEALER, zmq.ROUTER):
@@ -35,6 +38,8 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if keys is not None:
+        keys.secure(sock, server=bind)
     (sock.bind if bind else sock.connect)(address)
     return sock
 

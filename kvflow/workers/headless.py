@@ -4,8 +4,11 @@
 
 1. Reach node 0's torch.distributed store (master_addr:master_port, hosted by worker rank 0)
    within the start-up timeout, and read what rank 0 put there: EngineCore's addresses and the
-   configuration every rank must run (ClusterInfo). This node keeps only its model folder and
-   thread count; a different model or --tp/--nnodes is an error, not a silent mismatch.
+   configuration every rank must run (ClusterInfo), signed with a key derived from the cluster
+   secret (kvflow/ipc/auth.py). A tag that does not verify means another secret: this node
+   marks its refusal in the store (node 0's rank 0 watches for it, so both nodes fail at once)
+   and exits. This node keeps only its model folder, thread count and secret file; a
+   different model or --tp/--nnodes is an error, not a silent mismatch.
 2. Start this node's ranks (tp / nnodes of them) as worker processes; they join the group,
    subscribe to EngineCore's plans and report to it like node 0's own workers.
 3. Heartbeat with EngineCore every HEARTBEAT_INTERVAL. A worker here that dies is reported to
@@ -26,11 +29,12 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.executor import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+from kvflow.ipc.auth import SECRET_VAR, ClusterKeys, SecretMismatch
 from kvflow.ipc.messages import ChildFailed, ClusterInfo, Heartbeat, Shutdown, ToNode
 from kvflow.ipc.network import tcp_address, wait_reachable
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, make_socket
-from kvflow.workers.worker_proc import CLUSTER_INFO_KEY
+from kvflow.workers.worker_proc import CLUSTER_INFO_KEY, REFUSED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +45,15 @@ def run_headless(local: EngineConfig) -> int:
     if p.nnodes < 2 or p.node_rank == 0:
         raise ValueError(f"--headless runs a node other than node 0 of several (--nnodes >= 2, "
                          f"--node-rank >= 1), not nnodes={p.nnodes} node_rank={p.node_rank}")
-    store, info = _read_cluster_info(local)
+    keys = ClusterKeys.load(p.cluster_secret_file)
+    store, info = _read_cluster_info(local, keys)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stopping.append("SIGINT"))
     ctx = zmq.Context()
     control = Channel[ToNode](make_socket(ctx, zmq.DEALER, info.control_address, bind=False,
-                                          identity=f"node{p.node_rank}".encode()), ToNode)
+                                          identity=f"node{p.node_rank}".encode(), keys=keys),
+                              ToNode)
     children: list[Child] = []
     try:
         try:
@@ -77,9 +83,9 @@ def run_headless(local: EngineConfig) -> int:
         ctx.destroy(linger=0)
 
 
-def _read_cluster_info(local: EngineConfig) -> tuple[Any, ClusterInfo]:
-    """Node 0's store (a client of it) and what rank 0 put there, all within one start-up
-    timeout."""
+def _read_cluster_info(local: EngineConfig, keys: ClusterKeys) -> tuple[Any, ClusterInfo]:
+    """Node 0's store (a client of it) and what rank 0 put there, verified, all within one
+    start-up timeout."""
     import torch.distributed as dist
     p = local.parallel
     deadline = time.monotonic() + p.startup_timeout
@@ -94,7 +100,16 @@ def _read_cluster_info(local: EngineConfig) -> tuple[Any, ClusterInfo]:
                            f"{p.master_addr}:{p.store_port} within the start-up timeout "
                            f"({p.startup_timeout:g} s): {e}; is node 0 started, and is "
                            "--master-addr its address as seen from here?") from None
-    return store, msgspec.msgpack.decode(data, type=ClusterInfo)
+    try:
+        return store, msgspec.msgpack.decode(keys.verify(data), type=ClusterInfo)
+    except SecretMismatch as e:
+        # EngineCore's sockets would refuse us: node 0 learns it through the store instead.
+        store.set(REFUSED_KEY.format(node=p.node_rank), "cluster secret")
+        raise RuntimeError(
+            f"node {p.node_rank} refused to join: the cluster secret differs from node 0's "
+            f"(the ClusterInfo in node 0's store at {p.master_addr}:{p.store_port} does not "
+            f"verify: {e}); start every node with the same --cluster-secret-file (or "
+            f"{SECRET_VAR})") from None
 
 
 def joined_config(node0: EngineConfig, local: EngineConfig) -> EngineConfig:
@@ -114,7 +129,8 @@ def joined_config(node0: EngineConfig, local: EngineConfig) -> EngineConfig:
         model=msgspec.structs.replace(node0.model, path=local.model.path),
         parallel=msgspec.structs.replace(theirs, node_rank=mine.node_rank,
                                          master_addr=mine.master_addr,
-                                         startup_timeout=mine.startup_timeout))
+                                         startup_timeout=mine.startup_timeout,
+                                         cluster_secret_file=mine.cluster_secret_file))
 
 
 def _watch(control: Channel, children: list[Child], ranks: list[int], node_rank: int,

@@ -13,13 +13,16 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
+from typing import NamedTuple
 
 import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.ipc.auth import ClusterKeys
 from kvflow.ipc.messages import (ChildFailed, ClusterInfo, FromWorker, Ping, Pong, Shutdown,
                                  StepPlan, ToWorker, WorkerReady)
 from kvflow.ipc.network import host_ip, interface_of
@@ -27,7 +30,8 @@ from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
 logger = logging.getLogger(__name__)
-CLUSTER_INFO_KEY = "kvflow/cluster_info"
+CLUSTER_INFO_KEY = "kvflow/cluster_info"      # ClusterInfo, signed (ClusterKeys.sign)
+REFUSED_KEY = "kvflow/refused/{node}"          # set by a node whose secret differs (headless)
 
 
 class JoinError(RuntimeError):
@@ -55,16 +59,20 @@ def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s worker{rank} %(message)s")
     ctx = zmq.Context()
-    plans = Channel[ToWorker](make_socket(ctx, zmq.SUB, args.plan_address, bind=False),
-                              ToWorker)
-    results = Channel[FromWorker](make_socket(ctx, zmq.PUSH, args.result_address, bind=False),
-                                  FromWorker)
+    parallel = config.parallel
+    keys = ClusterKeys.load(parallel.cluster_secret_file) if parallel.nnodes > 1 else None
+    plans = Channel[ToWorker](make_socket(ctx, zmq.SUB, args.plan_address, bind=False,
+                                          keys=keys), ToWorker)
+    results = Channel[FromWorker](make_socket(ctx, zmq.PUSH, args.result_address, bind=False,
+                                              keys=keys), FromWorker)
     try:
-        info = None
-        if rank == 0 and config.parallel.nnodes > 1:
+        announce = None
+        if rank == 0 and keys is not None:
             info = ClusterInfo(args.plan_address, args.result_address, args.control_address,
                                config)
-        worker = _start(config, rank, args.dist_address, info)
+            announce = Announce(keys.sign(msgspec.msgpack.encode(info)),
+                        RefusalWatch(ctx, args.result_address, keys, parallel.nnodes))
+        worker = _start(config, rank, args.dist_address, announce)
     except Exception as e:
         # Said on this node's log too: with several nodes, EngineCore's is on another machine.
         error = str(e) if isinstance(e, JoinError) else traceback.format_exc()
@@ -83,7 +91,7 @@ def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
 
 
 def _start(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[no-untyped-def]
-           info: ClusterInfo | None):
+           announce: Announce | None):
     from kvflow.workers.layers.parallel import TPGroup
     from kvflow.workers.worker import Worker, resolve_device
     parallel = config.parallel
@@ -92,17 +100,18 @@ def _start(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[n
         # One GPU per rank of this node (cuda:local_rank) and NCCL between them; gloo on CPU.
         # The layers only see TPGroup either way.
         device = resolve_device(config.device, parallel.local_rank(rank))
-        group = join_group(config, rank, dist_address, device, info)
+        group = join_group(config, rank, dist_address, device, announce)
         tp = TPGroup(rank, parallel.tensor_parallel_size, group)
     return Worker(config, tp)
 
 
 def join_group(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[no-untyped-def]
-               device, info: ClusterInfo | None):
+               device, announce: Announce | None):
     """torch.distributed over an explicit TCPStore that rank 0 hosts, so that every wait has
     the start-up timeout (gloo's default is 30 minutes). With several nodes, rank 0 also puts
-    `info` in the store (the headless nodes read it there), and gloo is given the interface of
-    this node's address unless GLOO_SOCKET_IFNAME says otherwise."""
+    the signed ClusterInfo in the store (the headless nodes read it there) and watches it for
+    nodes that refuse to join, and gloo is given the interface of this node's address unless
+    GLOO_SOCKET_IFNAME says otherwise."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -116,15 +125,68 @@ def join_group(config: EngineConfig, rank: int, dist_address: str,  # type: igno
     try:
         store = dist.TCPStore(host, int(port), is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
-        if info is not None:
-            store.set(CLUSTER_INFO_KEY, msgspec.msgpack.encode(info))  # type: ignore[arg-type]
+        if announce is not None:
+            store.set(CLUSTER_INFO_KEY, announce.signed_info)  # type: ignore[arg-type]
+            announce.watch.start(host, int(port))
         dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank,
                                 world_size=parallel.tensor_parallel_size, timeout=timeout,
                                 device_id=device if on_cuda else None)
     except Exception as e:
         raise JoinError(f"rank {rank} could not join the tensor-parallel group ({where}, "
                            f"start-up timeout {parallel.startup_timeout:g} s): {e}") from None
+    finally:
+        if announce is not None:
+            announce.watch.stop()
     return dist.group.WORLD
+
+
+class RefusalWatch:
+    """While rank 0 waits for the other nodes' ranks: a headless node whose cluster secret
+    differs cannot reach EngineCore's sockets to say why it will not join, so it marks
+    REFUSED_KEY in the store instead; this thread, on its own connection to the store, turns
+    that mark into a ChildFailed for EngineCore, and node 0 fails at once rather than at its
+    start-up timeout. (The store is unauthenticated: the mark only stops a start-up, which
+    anyone reaching the store can do anyway; its text is not trusted and not forwarded.)"""
+
+    def __init__(self, ctx: zmq.Context, result_address: str, keys: ClusterKeys,
+                 nnodes: int) -> None:
+        self.ctx, self.result_address, self.keys, self.nnodes = ctx, result_address, keys, nnodes
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str, port: int) -> None:
+        self._thread = threading.Thread(target=self._run, args=(host, port), daemon=True,
+                                        name="refusal-watch")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def _run(self, host: str, port: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
+                                  wait_for_workers=False)
+            while not self._done.wait(0.5):
+                for node in range(1, self.nnodes):
+                    if store.check([REFUSED_KEY.format(node=node)]):
+                        self._report(node)
+                        return
+        except Exception as e:            # the store went away: the main thread will say so
+            logger.debug("refusal watch ended: %s", e)
+
+    def _report(self, node: int) -> None:
+        error = (f"node {node} refused to join: the ClusterInfo this node signed did not "
+                 "verify there, so its cluster secret differs from node 0's; start every node "
+                 "with the same --cluster-secret-file (or KVFLOW_CLUSTER_SECRET)")
+        logger.error("%s", error)
+        sock = make_socket(self.ctx, zmq.PUSH, self.result_address, bind=False, keys=self.keys)
+        Channel[FromWorker](sock, FromWorker).send(ChildFailed(f"node {node}", error))
+        sock.close(linger=1000)
 
 
 def choose_gloo_interface(master_addr: str, master_port: int) -> str:
@@ -167,6 +229,12 @@ def _loop(worker, rank: int, plans: Channel, results: Channel,  # type: ignore[n
                 raise RuntimeError(f"rank {rank}'s step failed:\n{result.error}")
             if rank == 0:
                 results.send(result)
+
+
+class Announce(NamedTuple):
+    """Rank 0's duties towards the other nodes while the group forms (several nodes only)."""
+    signed_info: bytes             # ClusterInfo as the headless nodes read it from the store
+    watch: RefusalWatch
 
 
 if __name__ == "__main__":
