@@ -249,8 +249,9 @@ def bad_requests(model: str) -> list[Bad]:
 
 
 async def hostile_loop(url: str, key: str, bads: list[Bad], done: asyncio.Event,
-                       stats: HostileStats) -> None:
-    """The bad requests in turn, each as soon as the previous one is answered, until `done`."""
+                       stats: HostileStats, rate: float = 0.0) -> None:
+    """The bad requests in turn, each as soon as the previous one is answered (or, with
+    `rate`, at most `rate` a second), until `done`."""
     start = time.perf_counter()
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=0)
     headers = {"Content-Type": "application/json"}
@@ -273,6 +274,8 @@ async def hostile_loop(url: str, key: str, bads: list[Bad], done: asyncio.Event,
             stats.sent += 1
             if not status[0].isdigit():
                 await asyncio.sleep(0.05)     # a dropped connection: no tight reconnect loop
+            if rate > 0:
+                await asyncio.sleep(max(0.0, start + stats.sent / rate - time.perf_counter()))
     stats.seconds = time.perf_counter() - start
 
 
@@ -315,6 +318,15 @@ async def idle_connections(url: str, done: asyncio.Event, stats: HostileStats) -
 
 # --- the run -------------------------------------------------------------------------------
 
+def cpu_seconds(srv: Server) -> tuple[float, float]:
+    """CPU seconds so far of the server's frontend process and of this client process."""
+    def used(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+    frontend, _ = srv.tree()
+    return used(frontend), used(psutil.Process())
+
+
 async def run(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), limits=limits,
@@ -326,16 +338,19 @@ async def run(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         bads = bad_requests(model)
-        out: dict[str, Any] = {"pids_before": srv.child_pids(), "rss": [srv.rss_mb()]}
+        out: dict[str, Any] = {"pids_before": srv.child_pids(), "rss": [srv.rss_mb()],
+                               "cpu": [cpu_seconds(srv)]}
 
         print(f"quiet phase: {args.duration:g} s, {args.concurrency} clients", flush=True)
         out["quiet"] = phase_row(*await good_clients(client, srv.url, model, args, "quiet"))
         out["rss"].append(srv.rss_mb())
+        out["cpu"].append(cpu_seconds(srv))
 
         print(f"hostile phase: {args.duration:g} s, {args.concurrency} clients + bad requests "
               f"+ {IDLE_CONNECTIONS} idle connections", flush=True)
         stats, done = HostileStats(), asyncio.Event()
-        bad_task = asyncio.create_task(hostile_loop(srv.url, srv.key, bads, done, stats))
+        bad_task = asyncio.create_task(hostile_loop(srv.url, srv.key, bads, done, stats,
+                                                    args.hostile_rate))
         idle_task = asyncio.create_task(idle_connections(srv.url, done, stats))
         try:
             out["hostile"] = phase_row(*await good_clients(client, srv.url, model, args,
@@ -345,6 +360,7 @@ async def run(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.gather(bad_task, idle_task, return_exceptions=True)
         out["stats"] = stats
         out["rss"].append(srv.rss_mb())
+        out["cpu"].append(cpu_seconds(srv))
         out["pids_after"] = srv.child_pids()
         out["healthy_after"] = (await client.get(f"{srv.url}/health")).status_code
         out["expect"] = {b.kind: b.expect for b in bads}
@@ -404,6 +420,12 @@ def report(out: dict[str, Any], log: str) -> bool:
     print(f"engine restarted: {'yes' if restarted else 'no'} (child pids before "
           f"{sorted(before)}, after {sorted(after)}; /health after: {out['healthy_after']})   "
           f"target no  {target(not restarted and out['healthy_after'] == 200)}")
+    (c0, b0), (c1, b1), (c2, b2) = out["cpu"]
+    sent = max(1, out["stats"].sent)
+    print(f"CPU seconds, quiet / hostile phase: server frontend {c1 - c0:.1f} / {c2 - c1:.1f} "
+          f"({1000 * ((c2 - c1) - (c1 - c0)) / sent:.2f} ms more per hostile request); this "
+          f"client (good + hostile) {b1 - b0:.1f} / {b2 - b1:.1f} (all on the same "
+          f"{os.cpu_count()} CPUs as the engine)")
     (f0, t0), (f1, t1), (f2, t2) = out["rss"]
     print(f"server RSS MB (frontend): start of quiet {f0:.0f}, end of quiet {f1:.0f}, end of "
           f"hostile {f2:.0f} ({100 * (f2 / f0 - 1):+.1f}%)   target flat (<= +10%)  "
@@ -432,6 +454,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="the server's --max-model-len (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the good clients' workload")
+    p.add_argument("--hostile-rate", type=float, default=0.0,
+                   help="bad requests per second (0: each as soon as the previous one is "
+                        "answered)")
     p.add_argument("--model", default="default", help="the server's --model (default: "
                    "%(default)s)")
     p.add_argument("--start-timeout", type=float, default=300.0,

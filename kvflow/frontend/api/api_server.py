@@ -202,7 +202,8 @@ def engine_unavailable(reason: str) -> ApiError:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> Response:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
+        headers = ({"Retry-After": "1"} if e.status == 503 else
+                   {"Connection": "close"} if e.status == 413 else None)  # the rest unread
         return _error(e, headers)
 
     @app.exception_handler(EngineOverloadedError)
