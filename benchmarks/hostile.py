@@ -108,6 +108,7 @@ def server(args: argparse.Namespace) -> Iterator[Server]:
            "--max-model-len", str(args.max_model_len)]
     if args.kv_cache_memory_gb is not None:
         cmd += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    cmd += getattr(args, "extra_server_args", [])      # chaos.py's
     log = tempfile.NamedTemporaryFile(prefix="hostile-serve-", suffix=".log", delete=False)
     shown = " ".join(cmd[1:]).replace(key, "KEY")
     print(f"server: {shown}\nserver log: {log.name}", flush=True)
