@@ -5,7 +5,7 @@
   EngineDeadError within 5 s, and the rest of the engine side exits (through `launch.py serve`
   and a Client, and through `LLM`).
 - The launcher, or the user's process holding an LLM, killed: its children exit by themselves.
-- SIGTERM / Ctrl-C: everything stops within 10 s, exit code 0.
+- SIGTERM / Ctrl-C with --shutdown-timeout 0: everything stops within 10 s, exit code 0.
 - A failure at start-up (a worker, a bad model folder) is a prompt, clear error, never a hang.
 - Garbage on any socket is dropped: every process lives on and answers correctly.
 - LLM.shutdown() and garbage collection of an LLM leave no process behind.
@@ -67,9 +67,10 @@ def serve(default_model: str):
 
     def start(*args: str, env: dict[str, str] | None = None, model: str | None = None,
               wait: bool = True) -> ServeProcess:
-        # Fail-stop, as these tests check (restarts are tests/test_self_healing.py's).
-        s = ServeProcess("--max-engine-restarts", "0", *args, model=model or default_model,
-                         kv_cache_memory_gb=KV_GB, env=env)
+        # Fail-stop and no drain, as these tests check (restarts and the drain are
+        # tests/test_self_healing.py's).
+        s = ServeProcess("--max-engine-restarts", "0", "--shutdown-timeout", "0", *args,
+                         model=model or default_model, kv_cache_memory_gb=KV_GB, env=env)
         started.append(s)
         if wait:
             s.wait_serving()

@@ -495,8 +495,8 @@ async def _until_stopped(server: _Uvicorn, http_task: asyncio.Task, engine: Asyn
     stopped = asyncio.ensure_future(server.stopping.wait())
     await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    if http_task.done():
-        return
+    if http_task.done() or shutdown_timeout <= 0:
+        return                               # no drain: _stop fails what is open at once
     engine.draining = "the server is shutting down; retry on another replica"
     logger.warning("signal received; draining %d request(s) for up to %g s (a second signal "
                    "stops at once)", len(engine.streams), shutdown_timeout)
