@@ -127,6 +127,8 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("/tokenize far past the context", "/tokenize", {"prompt": "hello " * 150_000}, 400,
      "prompt"),
     ("/detokenize of 10^5 ids", "/detokenize", {"tokens": [1] * 10**5}, 400, "tokens"),
+    ("/tokenize of messages that are not text", "/tokenize",
+     {"messages": [{"role": "user", "content": [1, {"a": 2}]}, 7]}, 400, "messages"),
 ]
 
 

@@ -67,8 +67,9 @@ class Tokenizer:
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=bos, eos_token=eos)
-        except TemplateError as e:      # e.g. a message without 'role': a bad request
-            raise ValueError(f"chat template: {e}") from None
+        except (TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
+            # e.g. a message without 'role', or a content of the wrong type: a bad request
+            raise ValueError(f"chat template: {type(e).__name__}: {str(e)[:200]}") from None
 
     def stream_decoder(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer)
