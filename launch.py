@@ -109,6 +109,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
 def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvflow.config import EngineOptions
     return EngineOptions(**{name: getattr(args, name)
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-connections", type=positive_int, default=1024,
                        help="open HTTP connections at most; beyond it a new connection is "
                             "closed at once (default: 1024)")
-    serve.add_argument("--http-timeout", type=float, default=30.0,
+    serve.add_argument("--http-timeout", type=positive_float, default=30.0,
                        help="seconds an HTTP client has to send a whole request after "
                             "connecting or after its previous response; then the connection "
                             "is closed (default: 30)")

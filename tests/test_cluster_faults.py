@@ -528,11 +528,13 @@ def test_garbage_to_client_socket(healthy) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(s.address)
         for frames in GARBAGE:
-            sock.send_multipart(frames)
-        sock.send(encode(ClientAbort("never-sent")))
+            sock.send_multipart(frames)                   # no key frame: dropped unread
+            sock.send_multipart([b"", *frames])           # keyed: decoded, then dropped
+        # [API key (none here), message]: the client library's framing.
+        sock.send_multipart([b"", encode(ClientAbort("never-sent"))])
         for msg in bad_requests.values():
-            sock.send(encode(msg))
-        sock.send(encode(ClientStatsRequest("stats")))
+            sock.send_multipart([b"", encode(msg)])
+        sock.send_multipart([b"", encode(ClientStatsRequest("stats"))])
         replies: dict[str, list[Any]] = {}
         while len(replies) < len(bad_requests) + 1:
             assert sock.poll(30_000), f"no reply; got {sorted(replies)}\n{s.log}"

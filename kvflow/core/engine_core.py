@@ -21,6 +21,7 @@ from kvflow.ipc.messages import (INTERNAL_ERROR, EngineOutputs, EngineRequest, E
                                  UtilityResult)
 
 logger = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3     # steps in a row that raise: the worker is broken, not a request
 
 
 class StepFailure(RuntimeError):
@@ -60,6 +61,7 @@ class EngineCore:
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
         self.times = CoreTimes()
         self.num_received = 0
+        self.failed_steps = 0                   # in a row (a step that raised)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request, or queue an error reply naming what is wrong with it."""
@@ -121,6 +123,7 @@ class EngineCore:
             if result.error is not None:
                 deltas.extend(self._step_failed(plan, result.error))
             else:
+                self.failed_steps = 0
                 deltas.extend(self.scheduler.update(plan, batch, result))
             self._record_times(t0, t1, t2)
         return EngineOutputs(deltas, self.stats())
@@ -134,10 +137,14 @@ class EngineCore:
         """A live worker's step raised: fail that step's requests, keep serving the rest.
         With several ranks the others may be stuck in a collective rank 0 left, so the
         engine stops instead (WorkerFailure: the frontend restarts it)."""
+        self.failed_steps += 1
         if self.config.parallel.tensor_parallel_size > 1:
             raise StepFailure(f"worker 0's step failed with tensor parallelism (the other "
                               f"ranks may be stuck in a collective):\n{error}",
                               list(plan.scheduled_ids))
+        if self.failed_steps >= MAX_FAILED_STEPS:     # e.g. a sticky CUDA error: restart
+            raise StepFailure(f"{self.failed_steps} steps in a row failed; the worker is "
+                              f"broken:\n{error}", list(plan.scheduled_ids))
         logger.error("a step failed; its %d request(s) fail, the engine goes on:\n%s",
                      len(plan.scheduled_ids), error)
         return self.scheduler.abort(list(plan.scheduled_ids), FinishReason.ERROR,

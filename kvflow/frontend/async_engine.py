@@ -157,11 +157,17 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     @asynccontextmanager
-    async def request(self, prompt: Prompt, params: SamplingParams,
-                      timeout: float | None = None) -> AsyncIterator[RequestStream]:
-        """Admit, prepare and submit a request (ValueError naming the problem if it is
-        invalid); leaving the block before it finished aborts it."""
+    async def request(self, prompt: Prompt | None, params: SamplingParams,
+                      timeout: float | None = None,
+                      messages: list[dict[str, str]] | None = None
+                      ) -> AsyncIterator[RequestStream]:
+        """Admit, prepare (render `messages` when given) and submit a request (ValueError
+        naming the problem if it is invalid); leaving the block before it finished aborts
+        it."""
         with self.admission(1):
+            if messages is not None:
+                prompt = await self.run_blocking(self.processor.render_chat, messages)
+            assert prompt is not None
             [tracker] = await self.prepare(prompt, [params])
             stream = self.submit(tracker, timeout)
         try:
@@ -201,9 +207,10 @@ class AsyncEngine:
         while self.dead is None:
             if generation != self.engine.generation:    # restarted: other sockets to watch
                 generation, poller = self.engine.generation, zmq.asyncio.Poller()
+                # Plain sockets: pyzmq wraps them per poll and drops its loop callbacks after,
+                # so a socket closed by a restart leaves nothing registered on its fd.
                 for item in self.engine.pollables():
-                    poller.register(zmq.asyncio.Socket.from_socket(item)
-                                    if isinstance(item, zmq.Socket) else item, zmq.POLLIN)
+                    poller.register(item, zmq.POLLIN)
             # A hung engine wakes nobody: look at least every second (the supervisor's
             # watchdog runs in drain()).
             await poller.poll(1000)

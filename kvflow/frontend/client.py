@@ -23,7 +23,8 @@ import zmq.asyncio
 
 from kvflow.errors import EngineDeadError, EngineOverloadedError
 from kvflow.frontend.outputs import RequestOutput
-from kvflow.ipc.messages import (ERROR_ENGINE_DEAD, ERROR_OVERLOADED, ERROR_UNAUTHORIZED,
+from kvflow.ipc.messages import (ERROR_ENGINE_DEAD, ERROR_INTERNAL, ERROR_OVERLOADED,
+                                 ERROR_UNAUTHORIZED,
                                  ClientAbort, ClientOutput, ClientRequest, ClientStats,
                                  ClientStatsRequest, EngineStats, FromServer)
 from kvflow.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ def _check(msg: ClientOutput) -> None:
         raise EngineOverloadedError(msg.error)
     if msg.error_kind == ERROR_UNAUTHORIZED:
         raise PermissionError(msg.error)
+    if msg.error_kind == ERROR_INTERNAL:
+        raise RuntimeError(msg.error)
     if msg.error is not None:
         raise ValueError(msg.error)
 

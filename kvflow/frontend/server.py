@@ -30,7 +30,8 @@ from kvflow.frontend.async_engine import AsyncEngine, RequestStream
 from kvflow.frontend.processor import Prompt
 from kvflow.ipc.messages import (ClientAbort, ClientOutput, ClientRequest, ClientStats,
                                  ClientStatsRequest, FinishReason, ToServer, ERROR_ENGINE_DEAD,
-                                 ERROR_INVALID, ERROR_OVERLOADED, ERROR_UNAUTHORIZED)
+                                 ERROR_INTERNAL, ERROR_INVALID, ERROR_OVERLOADED,
+                                 ERROR_UNAUTHORIZED, INTERNAL_ERROR_PREFIX)
 from kvflow.ipc.sockets import Channel
 from kvflow.sampling_params import SamplingParams
 
@@ -114,11 +115,9 @@ class ZmqServer:
             params = _params(msg.sampling_params)
             if msg.timeout is not None and not 0 < msg.timeout < float("inf"):
                 raise ValueError(f"timeout={msg.timeout!r} must be a positive number of seconds")
-            if msg.messages is not None:
-                prompt: Prompt = await self.engine.run_blocking(_render, self.engine, msg)
-            else:
-                prompt = _prompt(msg)
-            async with self.engine.request(prompt, params, msg.timeout) as stream:
+            messages = _messages(msg)
+            prompt = None if messages is not None else _prompt(msg)
+            async with self.engine.request(prompt, params, msg.timeout, messages) as stream:
                 await self._answer(identity, msg, stream)
         except ValueError as e:
             await self.reply(identity, ClientOutput(msg.request_id, error=str(e),
@@ -143,7 +142,10 @@ class ZmqServer:
                 text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
             else:
                 text, token_ids, logprobs = out.text, out.token_ids, out.logprobs
-            kind = ERROR_INVALID if out.finish_reason == FinishReason.ERROR else None
+            kind = None
+            if out.finish_reason == FinishReason.ERROR:
+                kind = (ERROR_INTERNAL if (out.error or "").startswith(INTERNAL_ERROR_PREFIX)
+                        else ERROR_INVALID)
             if not await self.reply(identity, ClientOutput(
                     msg.request_id, text, token_ids, delta.finish_reason, out.num_cached_tokens,
                     logprobs, out.prompt_token_ids if first else None, out.error, kind)):
@@ -170,13 +172,12 @@ class ZmqServer:
         self.ctx.term()
 
 
-def _render(engine: AsyncEngine, msg: ClientRequest) -> str:
+def _messages(msg: ClientRequest) -> list[dict[str, str]] | None:
     from kvflow.frontend.api.protocol import MAX_MESSAGES
-    assert msg.messages is not None
-    if len(msg.messages) > MAX_MESSAGES:
+    if msg.messages is not None and len(msg.messages) > MAX_MESSAGES:
         raise ValueError(f"messages has {len(msg.messages)} entries; at most {MAX_MESSAGES} "
                          "are allowed")
-    return engine.processor.render_chat(msg.messages)
+    return msg.messages
 
 
 def _prompt(msg: ClientRequest) -> Prompt:

@@ -69,6 +69,7 @@ class SupervisedEngine:
         self.restart_in_thread = restart_in_thread
         self.on_restart = on_restart          # (cause, number of requests resumed)
         self.tracked: dict[str, Tracked] = {}
+        self.held: set[str] = set()           # tracked, not at the current engine
         self.dead: str | None = None
         self.generation = 0                   # bumped at every restart (pollables change)
         self.restart_times: list[float] = []
@@ -82,6 +83,8 @@ class SupervisedEngine:
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._children = _descendants(self.engine)   # known while EngineCore lives
 
     # --- what the consumers call ---------------------------------------------------------
 
@@ -94,6 +97,7 @@ class SupervisedEngine:
             raise EngineDeadError(self.dead)
         for request in requests:
             t = self.tracked[request.request_id] = Tracked(request)
+            self.held.add(request.request_id)
             if self.engine is not None:
                 self._send(t)                 # held while restarting, sent at the install
         self._wake()                          # a death seen while sending: drain() handles it
@@ -106,8 +110,13 @@ class SupervisedEngine:
             t = self.tracked.pop(request_id, None)
             if t is None:
                 continue
+            self.held.discard(request_id)
             if t.sent:
                 at_engine.append(request_id)
+            elif not t.ever_sent:             # no engine will count it: count it taken in
+                t.ever_sent = True
+                self.num_ever_sent += 1
+                self.offset += 1
             self.replies.append(RequestDelta(request_id, [], FinishReason.ABORT))
         if at_engine and self.engine is not None and self.engine.dead is None:
             self.engine.abort(at_engine)
@@ -170,8 +179,8 @@ class SupervisedEngine:
 
     def shutdown(self) -> None:
         self._closing = True
-        if self._thread is not None:
-            self._thread.join(60)
+        if self._thread is not None:          # a restart under way stops its new engine
+            self._thread.join(5)
             if isinstance(self._new, MultiprocEngine):
                 self._new.shutdown()
         if self.engine is not None:
@@ -201,6 +210,7 @@ class SupervisedEngine:
         except EngineDeadError:
             return
         t.sent = True
+        self.held.discard(r.request_id)
         if t.ever_sent:
             self.offset -= 1                  # counted by an earlier engine already
         else:
@@ -217,6 +227,7 @@ class SupervisedEngine:
                 t.crashes = 0                 # it ran a step and the engine lived
             if delta.finish_reason is not None:
                 del self.tracked[delta.request_id]
+                self.held.discard(delta.request_id)
         outputs.stats.num_received += self.offset
         self.stats = outputs.stats
         self._release_suspect()
@@ -231,7 +242,7 @@ class SupervisedEngine:
     def _release_suspect(self) -> None:
         """Send what is held, in order: every request that is no suspect, and suspects one at
         a time (the next once none is unproven at the engine)."""
-        if self.engine is None or self.engine.dead is not None:
+        if not self.held or self.engine is None or self.engine.dead is not None:
             return
         suspect_out = any(t.sent and t.crashes for t in self.tracked.values())
         for t in self.tracked.values():
@@ -247,7 +258,7 @@ class SupervisedEngine:
         a step runs): silence for step_timeout with requests at it is a hang."""
         assert self.engine is not None
         silence = time.monotonic() - self.engine.last_heard
-        if silence > self.config.step_timeout and any(t.sent for t in self.tracked.values()):
+        if silence > self.config.step_timeout and len(self.tracked) > len(self.held):
             self._died(f"EngineCore (pid {self.engine.proc.pid}) hung: nothing from it for "
                        f"{silence:.1f} s (--step-timeout) while requests were pending", [],
                        cause="hung")
@@ -265,7 +276,7 @@ class SupervisedEngine:
             logger.error("the engine died (%s) and %d restart(s) in %.0f s are used up "
                          "(--max-engine-restarts): giving up: %s", cause,
                          self.config.max_engine_restarts, RESTART_WINDOW, reason)
-            _kill(old)
+            _kill(old, self._children)
             raise EngineDeadError(reason)
         self.restart_times.append(now)
         logger.error("the engine died (%s); restarting it and resuming %d request(s): %s",
@@ -274,31 +285,37 @@ class SupervisedEngine:
             t = self.tracked.get(request_id)
             if t is not None:
                 t.crashes += 1
+        self.held = set(self.tracked)
         for request_id, t in list(self.tracked.items()):
             t.sent = False
             if t.crashes >= POISON_CRASHES:
                 logger.error("request %s was in the step of %d crashes: failed, not resumed",
                              request_id, t.crashes)
                 del self.tracked[request_id]
+                self.held.discard(request_id)
                 self.replies.append(RequestDelta(request_id, [], FinishReason.ERROR,
                                                  error=POISON_ERROR.format(n=t.crashes)))
         self._cause = cause
         if self.restart_in_thread:
-            self._thread = threading.Thread(target=self._restart, args=(old,),
+            self._thread = threading.Thread(target=self._restart, args=(old, self._children),
                                             name="kvflow-restart", daemon=True)
             self._thread.start()
         else:
-            self._restart(old)
+            self._restart(old, self._children)
             self._install_if_ready()
 
-    def _restart(self, old: MultiprocEngine) -> None:
+    def _restart(self, old: MultiprocEngine, children: list[psutil.Process]) -> None:
         """Kill what is left of the old engine and start a new one (a thread, or inline)."""
         start = time.monotonic()
         try:
-            _kill(old)
+            _kill(old, children)
             if self._closing:
                 raise EngineDeadError("shutting down")
             new = MultiprocEngine(self.config)
+            if self._closing:                 # shut down while it started
+                new.shutdown()
+                raise EngineDeadError("shutting down")
+            self._children = _descendants(new)
             logger.info("the new engine is ready in %.1f s", time.monotonic() - start)
             self._new = new
         except BaseException as e:                # noqa: BLE001 - handed to the consumer
@@ -318,6 +335,7 @@ class SupervisedEngine:
         self.engine = new
         self.generation += 1
         self.offset = self.num_ever_sent
+        self.stats = EngineStats(num_received=self.offset)   # not the old engine's totals
         self._release_suspect()
         resumed = sum(t.sent for t in self.tracked.values())
         logger.warning("engine restarted (%s): %d request(s) resumed, %d held as suspects",
@@ -339,24 +357,31 @@ def _cause(reason: str) -> str:
     return "worker" if "worker" in reason or "node" in reason else "engine_core"
 
 
-def _kill(engine: MultiprocEngine) -> None:
-    """Stop an engine that died or hung, leaving nothing behind: EngineCore's descendants
-    are killed outright (a stopped or hung worker cannot stop itself), then EngineCore."""
+def _descendants(engine: MultiprocEngine) -> list[psutil.Process]:
+    """EngineCore's workers, taken while EngineCore lives (once it is dead they are another
+    process's children). psutil checks a process's start time, so a reused pid is never hit."""
     try:
-        children = psutil.Process(engine.proc.pid).children(recursive=True)
+        return psutil.Process(engine.proc.pid).children(recursive=True)
     except psutil.Error:
-        children = []
+        return []
+
+
+def _kill(engine: MultiprocEngine, known: list[psutil.Process]) -> None:
+    """Stop an engine that died or hung, leaving nothing behind: EngineCore's descendants
+    (those known from its start and those there now) are killed outright (a stopped or hung
+    worker cannot stop itself), then EngineCore, through its pidfd (no reused pid is hit)."""
+    children = {p.pid: p for p in [*known, *_descendants(engine)]}.values()
     for p in children:
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
     try:
-        os.kill(engine.proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
+        signal.pidfd_send_signal(engine.proc.sentinel, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass                                  # already reaped
     engine.shutdown()
-    psutil.wait_procs(children, timeout=5)
+    psutil.wait_procs(list(children), timeout=5)
 
 
 def _drain_pipe(fd: int) -> None:

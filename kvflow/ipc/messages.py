@@ -226,6 +226,7 @@ ERROR_INVALID = "invalid"          # the request was rejected (ValueError on the
 ERROR_ENGINE_DEAD = "engine_dead"  # EngineDeadError on the client
 ERROR_OVERLOADED = "overloaded"    # EngineOverloadedError on the client: retry later
 ERROR_UNAUTHORIZED = "unauthorized"  # PermissionError on the client: wrong or no API key
+ERROR_INTERNAL = "internal"        # RuntimeError on the client: the server failed the request
 
 
 class ClientOutput(_Control):

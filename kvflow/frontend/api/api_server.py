@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 import kvflow
@@ -123,12 +124,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are "
                             "accepted (--max-request-bytes)", kind="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body exceeds {limit} bytes "
-                                "(--max-request-bytes)", kind="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes "
+                                    "(--max-request-bytes)", kind="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:                 # gone (or cut by --http-timeout): nobody to tell
+        raise ApiError(400, "the client disconnected before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -366,8 +370,11 @@ class _GuardedHttp(HttpToolsProtocol):
     timer before the first request, nor while bytes trickle in)."""
     max_connections = 1024
     request_timeout = 30.0
+    max_header_bytes = 64 * 1024         # request line and headers (httptools has no limit)
     _last_refusal_log = 0.0
     _deadline: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _in_headers = True
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -395,13 +402,26 @@ class _GuardedHttp(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_headers and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self.transport.close()       # headers past the limit: not a real client
+
+    def on_headers_complete(self) -> None:
+        self._in_headers, self._header_bytes = False, 0
+        super().on_headers_complete()
+
     def on_message_complete(self) -> None:
         self._disarm()
+        self._in_headers = True              # the next request on this connection
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)      # the next request is complete already
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if not pipelined and not self.transport.is_closing():
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -501,7 +521,8 @@ async def _until_stopped(server: _Uvicorn, http_task: asyncio.Task, engine: Asyn
     logger.warning("signal received; draining %d request(s) for up to %g s (a second signal "
                    "stops at once)", len(engine.streams), shutdown_timeout)
     deadline = time.monotonic() + shutdown_timeout
-    while engine.streams and not server.forced.is_set() and time.monotonic() < deadline:
+    while ((engine.streams or engine.num_admitting) and not server.forced.is_set()
+           and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
     if engine.streams:
         logger.warning("aborting %d request(s) still in flight", len(engine.streams))
