@@ -276,7 +276,8 @@ class SupervisedEngine:
             logger.error("the engine died (%s) and %d restart(s) in %.0f s are used up "
                          "(--max-engine-restarts): giving up: %s", cause,
                          self.config.max_engine_restarts, RESTART_WINDOW, reason)
-            _kill(old, self._children)
+            threading.Thread(target=_kill, args=(old, self._children), daemon=True,
+                             name="kvflow-reap").start()     # said at once, reaped meanwhile
             raise EngineDeadError(reason)
         self.restart_times.append(now)
         logger.error("the engine died (%s); restarting it and resuming %d request(s): %s",
