@@ -3,10 +3,15 @@
 namespaces joined by a veth pair (each "node" with its own address and interface).
 
 - TP=2 across the nodes gives the greedy tokens of TP=1 (in-process, float32, the same weights).
-- A worker SIGKILLed on node 1, or the wire between the nodes cut: the request in flight fails
-  with EngineDeadError within 5 s, and the engine's processes on both nodes exit (node 0's
-  launcher stays up to tell clients why, as with one node: tests/test_cluster_faults.py).
-- Node 0 gone (stopped, or SIGKILLed whole): the headless node exits by itself.
+- A worker SIGKILLed on node 1 (or node 0's EngineCore) mid-stream: node 0 restarts the engine,
+  the headless node rejoins it, and the stream completes with the tokens of an uninterrupted
+  run; then the cluster serves on, and nothing of the first engine is left.
+- With restarts off (--max-engine-restarts 0), a worker SIGKILLed on node 1 or the wire
+  between the nodes cut: the request in flight fails with EngineDeadError within 5 s, and the
+  engine's processes on both nodes exit (node 0's launcher stays up to tell clients why, as
+  with one node: tests/test_cluster_faults.py).
+- Node 0 stopped: the headless node exits 0 at once; SIGKILLed whole: the headless node tries
+  to rejoin for its --startup-timeout, then exits 1.
 - A node that never joins, an unreachable master, a wrong GLOO_SOCKET_IFNAME: a clear error
   within the start-up timeout, nothing left running.
 - Security (every node shares a cluster secret): none given is refused up front; a peer without
@@ -134,6 +139,15 @@ class LongRequest:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"the request still blocked after {timeout} s"
         return self.outcome[0]
+
+
+def wait_for_log(s: ServeProcess, text: str, timeout: float, after: int = 0) -> None:
+    """Until `text` is in s's log (from line `after` on)."""
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in s.lines[after:]):
+        assert s.proc.poll() is None, f"exited while waiting for {text!r}:\n{s.log}"
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{s.log}"
+        time.sleep(0.1)
 
 
 def wait_exit(s: ServeProcess, timeout: float) -> int:
@@ -316,7 +330,11 @@ def test_curve_keeps_strangers_out() -> None:
 def test_loopback_two_nodes(nodes, tiny: str, reference: list[list[int]], how: str) -> None:
     port = free_port()
     node0 = nodes(0, tiny, "127.0.0.1", port)
-    node1 = nodes(1, tiny, "127.0.0.1", port)
+    # Node 1 waits for node 0's engine at most this long, at start and after node 0 went away
+    # (node 0's store is up soon after EngineCore binds its sockets).
+    rejoin = 8
+    wait_for_log(node0, "EngineCore listens for the other nodes", 60)
+    node1 = nodes(1, tiny, "127.0.0.1", port, "--startup-timeout", str(rejoin))
     node0.wait_serving()
     assert generate(node0.address) == reference
     node1.started = node1.tree()
@@ -328,12 +346,67 @@ def test_loopback_two_nodes(nodes, tiny: str, reference: list[list[int]], how: s
         assert wait_exit(node0, 15) == 0, node0.log
         assert wait_exit(node1, 10) == 0, node1.log
         assert "EngineCore shut the cluster down" in node1.log
-    else:
+    else:                     # it tries to rejoin for its start-up timeout, then gives up
         os.killpg(node0.pid, signal.SIGKILL)
-        assert wait_exit(node1, HEARTBEAT_TIMEOUT + 5) == 1, node1.log
+        assert wait_exit(node1, HEARTBEAT_TIMEOUT + rejoin + 5) == 1, node1.log
         assert "no heartbeat from EngineCore (node 0)" in node1.log
+        assert ("error: node 1 could not rejoin: node 0's engine did not come back at "
+                f"127.0.0.1:{port} within the start-up timeout ({rejoin} s)") in node1.log
+        assert time.monotonic() - gone_at > HEARTBEAT_TIMEOUT + rejoin - 1
     print(f"\n[latency] node 0 {how} -> headless node exited: {time.monotonic() - gone_at:.2f} s")
     assert not wait_exited(node1.started, 5)
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
+
+
+RESUMED = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def killed_mid_stream(node0: ServeProcess, node1: ServeProcess, reference: list[list[int]],
+                      victim: str = "remote worker") -> None:
+    """A request streamed twice: uninterrupted (the reference), then with node 1's worker (or
+    node 0's EngineCore) SIGKILLed after its first tokens. Node 0 restarts the engine, node 1
+    rejoins it, and the stream goes on with no error and the same tokens; then the cluster
+    serves a new request, and no process of the first engine is left on either node."""
+    prompt = "Once upon a time"
+    with Client(node0.address, timeout=60) as c:
+        expected = c.generate(prompt, RESUMED).token_ids
+        node1.started = node1.tree()
+        [worker] = [p for p in node1.started if is_module(p, WORKER_MODULE)]
+        target = worker if victim == "remote worker" else node0.engine_core()
+        first_engine = [*engine_side(node0), *node1.started[1:]]
+        got: list[int] = []
+        killed_at, before = 0.0, 0
+        for delta in c.stream(prompt, RESUMED):
+            got += delta.token_ids
+            if not killed_at and len(got) >= 8:
+                target.kill()
+                killed_at, before = time.monotonic(), len(got)
+        took = time.monotonic() - killed_at
+    assert killed_at and before < len(expected)
+    assert got == expected                           # resumed where it stopped, same tokens
+    cause = "worker" if victim == "remote worker" else "engine_core"
+    assert f"engine restarted ({cause})" in node0.log, node0.log
+    assert "node 1: rejoining the restarted cluster (rejoin 1," in node1.log, node1.log
+    if victim != "remote worker":                   # node 1 learnt it from the silence
+        assert "no heartbeat from EngineCore (node 0)" in node1.log, node1.log
+    assert not wait_exited(first_engine, 10), "a process of the first engine survived"
+    print(f"\n[latency] SIGKILL {victim} after {before} tokens -> node 1 rejoined and the "
+          f"stream completed ({len(got)} tokens) {took:.1f} s later")
+    assert generate(node0.address) == reference       # and it serves on
+    node0.signal(signal.SIGTERM)
+    assert wait_exit(node0, 15) == 0, node0.log
+    assert wait_exit(node1, 10) == 0, node1.log       # told, as before: no rejoin
+    assert "EngineCore shut the cluster down" in node1.log
+
+
+@pytest.mark.parametrize("victim", ["remote worker", "engine core"])
+def test_loopback_killed_node_rejoins(nodes, tiny: str, reference: list[list[int]],
+                                      victim: str) -> None:
+    port = free_port()
+    node0 = nodes(0, tiny, "127.0.0.1", port, "--startup-timeout", "30")
+    node1 = nodes(1, tiny, "127.0.0.1", port, "--startup-timeout", "30")
+    node0.wait_serving()
+    killed_mid_stream(node0, node1, reference, victim)
     assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
 
 
@@ -479,7 +552,8 @@ def start_pair(nodes, netns: NamespacePair, model: str, tmp_path: Any, *args: st
 def test_namespaces_tp2_then_remote_worker_killed(nodes, netns: NamespacePair, tiny: str,
                                                   reference: list[list[int]],
                                                   tmp_path: Any) -> None:
-    node0, node1 = start_pair(nodes, netns, tiny, tmp_path)
+    """Fail-stop (restarts off): the whole cluster ends, node 1 does not wait to rejoin."""
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path, "--max-engine-restarts", "0")
     node0.wait_serving()
     assert generate(node0.address) == reference
     # Each node's gloo took the interface of its own address.
@@ -491,13 +565,16 @@ def test_namespaces_tp2_then_remote_worker_killed(nodes, netns: NamespacePair, t
     request = LongRequest(node0.address)
     killed_at = time.monotonic()
     remote_worker.kill()
-    assert_dead_quickly(request, killed_at, r"worker 1 failed")
+    # Node 1's report or rank 0's failed collective, whichever EngineCore sees first.
+    assert_dead_quickly(request, killed_at,
+                        r"worker 1 failed|worker 0's step failed with tensor parallelism")
     with Client(node0.address, timeout=DEATH_BOUND) as c, pytest.raises(EngineDeadError):
         c.generate("Hi", GREEDY)                     # a new request fails at once too
     survivors = wait_exited([*engine_side(node0), *node1.started],
                             max(0.0, killed_at + DEATH_BOUND - time.monotonic()))
     assert not survivors, [p.cmdline() for p in survivors]
     assert wait_exit(node1, 1) == 1
+    assert "nothing to rejoin" in node1.log, node1.log
     print(f"\n[latency] SIGKILL remote worker -> every engine process on both nodes exited: "
           f"{time.monotonic() - killed_at:.2f} s")
     assert not exited(node0.started[0])              # node 0's launcher tells clients why
@@ -506,8 +583,18 @@ def test_namespaces_tp2_then_remote_worker_killed(nodes, netns: NamespacePair, t
     assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
 
 
+def test_namespaces_remote_worker_killed_node_rejoins(nodes, netns: NamespacePair, tiny: str,
+                                                      reference: list[list[int]],
+                                                      tmp_path: Any) -> None:
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path, "--startup-timeout", "30")
+    node0.wait_serving()
+    killed_mid_stream(node0, node1, reference)
+    assert not tagged_processes(node0.tag) and not tagged_processes(node1.tag)
+
+
 def test_namespaces_wire_cut(nodes, netns: NamespacePair, tiny: str, tmp_path: Any) -> None:
-    node0, node1 = start_pair(nodes, netns, tiny, tmp_path)
+    """Fail-stop (restarts off); with restarts node 1 would try to rejoin."""
+    node0, node1 = start_pair(nodes, netns, tiny, tmp_path, "--max-engine-restarts", "0")
     node0.wait_serving()
     node1.started = node1.tree()
     request = LongRequest(node0.address)

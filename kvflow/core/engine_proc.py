@@ -92,8 +92,8 @@ class EngineCoreProc:
             self.output.send(outputs)
             self.last_sent = time.monotonic()
 
-    def close(self, grace: float = 3.0) -> None:
-        self.executor.shutdown(grace)
+    def close(self, grace: float = 3.0, failed: bool = False) -> None:
+        self.executor.shutdown(grace, restart=failed)
         self.ctx.destroy(linger=0)
 
 
@@ -113,6 +113,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
     logging.basicConfig(level=log_level, format="%(asctime)s engine-core %(message)s")
     proc: EngineCoreProc | None = None
+    failed = False
     grace = 3.0                  # for the workers to stop; short after a failure: a worker may
     ctx = zmq.Context()          # sit in a collective that never ends, and is then killed
     try:
@@ -128,9 +129,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                                                               suspects))
         out.close(linger=1000)                       # give the news a moment to leave
         grace = 0.5
+        failed = True            # the frontend restarts the engine: other nodes rejoin it
     finally:
         if proc is not None:
-            proc.close(grace)
+            proc.close(grace, failed)
         ctx.destroy(linger=0)
 
 

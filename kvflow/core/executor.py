@@ -198,12 +198,14 @@ class MultiprocExecutor:
         self.num_steps += 1
         return msg
 
-    def shutdown(self, grace: float = 3.0) -> None:
-        """Tell every worker to stop; kill those not gone after `grace` seconds."""
+    def shutdown(self, grace: float = 3.0, restart: bool = False) -> None:
+        """Tell every worker to stop; kill those not gone after `grace` seconds. `restart`:
+        EngineCore failed and the frontend will start a new engine, which the --headless
+        nodes are told to rejoin rather than exit."""
         try:
             self.plans.send(Shutdown())
             if self.nodes is not None:
-                self.nodes.shutdown()
+                self.nodes.shutdown(restart)
                 # Closed with a linger, so the context's teardown (linger 0) still lets these
                 # last messages reach the other nodes.
                 self.plans.sock.close(linger=1000)
@@ -270,8 +272,8 @@ class RemoteNodes:
                 f"--model ...` on each; they must reach {p.master_addr}:{p.master_port} and "
                 f"this node's {self.ip}, with node 0's cluster secret")
 
-    def shutdown(self) -> None:
-        data = self.control.encoder.encode(Shutdown())
+    def shutdown(self, restart: bool = False) -> None:
+        data = self.control.encoder.encode(Shutdown(restart=restart))
         for identity in self.identities.values():
             self.control.sock.send_multipart([identity, data], zmq.NOBLOCK)
         self.control.sock.close(linger=1000)

@@ -155,7 +155,9 @@ class ChildFailed(_Control):
 
 
 class Shutdown(_Control):
-    pass
+    """Stop. `restart`: EngineCore -> a --headless node when EngineCore stops because it
+    failed: the frontend will start a new engine, which the node rejoins."""
+    restart: bool = False
 
 
 class ResetPrefixCache(_Control):
@@ -183,11 +185,14 @@ class Heartbeat(_Control):
 
 class ClusterInfo(msgspec.Struct, frozen=True):
     """What rank 0 puts in the torch.distributed store for the other nodes: where EngineCore
-    listens, and the configuration every rank must run."""
+    listens, and the configuration every rank must run. `start_id`: random, new at every
+    start of the engine, so a node rejoining a restarted engine tells its info from the last
+    one's (the old store may still answer for a moment)."""
     plan_address: str
     result_address: str
     control_address: str
     config: EngineConfig
+    start_id: str = ""
 
 
 # What each receiver accepts (a tagged union per socket direction).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -69,7 +70,7 @@ def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
         announce = None
         if rank == 0 and keys is not None:
             info = ClusterInfo(args.plan_address, args.result_address, args.control_address,
-                               config)
+                               config, start_id=secrets.token_hex(8))
             announce = Announce(keys.sign(msgspec.msgpack.encode(info)),
                         RefusalWatch(ctx, args.result_address, keys, parallel.nnodes))
         worker = _start(config, rank, args.dist_address, announce)
