@@ -234,6 +234,17 @@ class ServeProcess:
         self.cleanup()
 
 
+def serve_ready(*args: str, **kw: object) -> ServeProcess:
+    """`ServeProcess(*args, **kw)` once it serves; killed if it does not."""
+    s = ServeProcess(*args, **kw)  # type: ignore[arg-type]
+    try:
+        s.wait_serving()
+    except Exception:
+        s.cleanup()
+        raise
+    return s
+
+
 def send_signal_to_group(pid: int, sig: int = signal.SIGINT) -> None:
     """What Ctrl-C in a terminal does: the signal goes to the whole foreground process group."""
     os.killpg(os.getpgid(pid), sig)

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_helpers import ServeProcess, tagged_processes, wait_exited
+from cluster_helpers import ServeProcess, serve_ready, tagged_processes, wait_exited
 from kvflow import LLM, Client, SamplingParams
 from kvflow.frontend.tokenizer import Tokenizer
 
@@ -29,14 +29,8 @@ BLOCK_SIZE = 16
 
 
 def serve(model: str, *args: str, zmq: bool = True) -> ServeProcess:
-    s = ServeProcess("--dtype", "float32", "--served-model-name", "default", *args, model=model,
-                     kv_cache_memory_gb=0.2, zmq=zmq)
-    try:
-        s.wait_serving()
-    except Exception:
-        s.cleanup()
-        raise
-    return s
+    return serve_ready("--dtype", "float32", "--served-model-name", "default", *args,
+                       model=model, kv_cache_memory_gb=0.2, zmq=zmq)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from cluster_helpers import ServeProcess, tagged_processes, wait_exited
+from cluster_helpers import ServeProcess, serve_ready, tagged_processes, wait_exited
 from kvflow import LLM, AsyncClient, SamplingParams
 
 POISON = 4242                  # a token id whose presence in a batch kills the worker (hook)
@@ -40,15 +40,9 @@ if sys.orig_argv[1:3] == ["-m", "kvflow.workers.worker_proc"]:
 
 
 def start(model: str, *args: str, env: dict[str, str] | None = None) -> ServeProcess:
-    s = ServeProcess("--dtype", "float32", "--served-model-name", "default", "--max-num-seqs",
-                     "8", "--max-model-len", "512", *args, model=model,
-                     kv_cache_memory_gb=0.1, env=env)
-    try:
-        s.wait_serving()
-    except Exception:
-        s.cleanup()
-        raise
-    return s
+    return serve_ready("--dtype", "float32", "--served-model-name", "default",
+                       "--max-num-seqs", "8", "--max-model-len", "512", *args, model=model,
+                       kv_cache_memory_gb=0.1, env=env)
 
 
 @pytest.fixture
