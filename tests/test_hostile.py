@@ -423,3 +423,15 @@ def test_fuzz_http_api(server: ServeProcess, path: str) -> None:
     assert statuses.get(200, 0) > 50 and sum(statuses.values()) == 250, statuses
     assert engine_pids(server) == pids
     good_request_works(server)
+
+
+def test_headers_past_the_limit_close_the_connection(server: ServeProcess) -> None:
+    """Request line and headers are bounded (64 KiB), bodies by --max-request-bytes."""
+    with socket.create_connection(("127.0.0.1", server.port)) as c:
+        c.settimeout(10)
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Junk: " + b"a" * 200_000)
+        try:
+            assert c.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    good_request_works(server)

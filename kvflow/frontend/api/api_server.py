@@ -409,13 +409,16 @@ class _GuardedHttp(HttpToolsProtocol):
             if self._header_bytes > self.max_header_bytes:
                 self.transport.close()       # headers past the limit: not a real client
 
+    def on_message_begin(self) -> None:
+        self._in_headers, self._header_bytes = True, 0
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
-        self._in_headers, self._header_bytes = False, 0
+        self._in_headers = False
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()
-        self._in_headers = True              # the next request on this connection
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
