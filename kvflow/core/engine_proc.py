@@ -110,7 +110,10 @@ def main() -> None:
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
                     parent_fd: int, log_level: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
+    # Ctrl-C and SIGTERM are the launcher's to handle (it drains first, then stops us; a
+    # SIGTERM sent to the whole group, as systemd does, must not cut the drain short).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s engine-core %(message)s")
     proc: EngineCoreProc | None = None
     failed = False

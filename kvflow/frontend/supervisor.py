@@ -382,7 +382,21 @@ def _kill(engine: MultiprocEngine, known: list[psutil.Process]) -> None:
     except (OSError, ValueError):
         pass                                  # already reaped
     engine.shutdown()
-    psutil.wait_procs(list(children), timeout=5)
+    _wait_gone(list(children), 5.0)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Until each is gone or a zombie (the workers of a dead EngineCore belong to PID 1 now,
+    which in a container may never reap them); never longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.Error:              # gone
+                break
+            time.sleep(0.02)
 
 
 def _drain_pipe(fd: int) -> None:

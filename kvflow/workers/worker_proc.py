@@ -57,7 +57,10 @@ def main() -> None:
 
 def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
     rank = args.rank
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
+    # Ctrl-C and SIGTERM are the launcher's to handle (it drains first, then stops us; a
+    # SIGTERM sent to the whole group, as systemd does, must not cut the drain short).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s worker{rank} %(message)s")
     ctx = zmq.Context()
     parallel = config.parallel
