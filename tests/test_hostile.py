@@ -190,6 +190,17 @@ def test_deadline_aborts_with_what_it_has(server: ServeProcess) -> None:
     assert took < 5
 
 
+def test_zmq_deadline(server: ServeProcess) -> None:
+    with Client(server.address, timeout=60, api_key=KEY) as c:
+        start = time.monotonic()
+        out = c.generate("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True),
+                         deadline=0.5)
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 200
+        assert time.monotonic() - start < 5
+        with pytest.raises(ValueError, match="timeout"):
+            c.generate("Hi", SamplingParams(max_tokens=2), deadline=-1)
+
+
 def test_overload_is_refused_at_once_on_every_way_in(server: ServeProcess) -> None:
     """--max-num-seqs 4: by default 16 requests may wait. 40 long requests at once over ZMQ
     and HTTP: those beyond get EngineOverloadedError / 503 with Retry-After, at once."""

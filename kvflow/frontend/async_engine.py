@@ -196,7 +196,8 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort at the engine; its abort reply finishes the stream (and counts it)."""
+        """Abort at the engine; the abort's reply (answered by the supervisor at once)
+        finishes the stream (and counts it)."""
         if self.dead is None and request_id in self.streams:
             self.engine.abort([request_id])
 

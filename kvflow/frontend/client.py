@@ -92,19 +92,23 @@ class Client:
     def _send(self, msg: msgspec.Struct) -> None:
         self.sock.send_multipart([self.key, _encoder.encode(msg)])
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None
-                 ) -> RequestOutput:
-        return self._whole(_request(prompt, None, params, stream=False),
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 deadline: float | None = None) -> RequestOutput:
+        """`deadline`: seconds after which the server aborts the request and answers with
+        what it has (finish_reason "abort")."""
+        return self._whole(_request(prompt, None, params, stream=False, timeout=deadline),
                            prompt if isinstance(prompt, str) else None)
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None
-             ) -> RequestOutput:
-        return self._whole(_request(None, messages, params, stream=False), None)
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
+             deadline: float | None = None) -> RequestOutput:
+        return self._whole(_request(None, messages, params, stream=False, timeout=deadline),
+                           None)
 
     def stream(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
-               messages: list[dict[str, str]] | None = None) -> Iterator[RequestOutput]:
+               messages: list[dict[str, str]] | None = None, deadline: float | None = None
+               ) -> Iterator[RequestOutput]:
         """Deltas (new text and tokens); closing the iterator early aborts the request."""
-        req = _request(prompt, messages, params, stream=True)
+        req = _request(prompt, messages, params, stream=True, timeout=deadline)
         self._send(req)
         finished = False
         try:
@@ -207,9 +211,9 @@ class AsyncClient:
 
     async def stream(self, prompt: str | list[int] | None = None,
                      params: SamplingParams | None = None,
-                     messages: list[dict[str, str]] | None = None
-                     ) -> AsyncIterator[RequestOutput]:
-        req = _request(prompt, messages, params, stream=True)
+                     messages: list[dict[str, str]] | None = None,
+                     deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        req = _request(prompt, messages, params, stream=True, timeout=deadline)
         queue = await self._open(req.request_id, req)
         finished = False
         try:
@@ -222,18 +226,18 @@ class AsyncClient:
             if not finished:
                 await self.abort(req.request_id)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None
-                       ) -> RequestOutput:
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       deadline: float | None = None) -> RequestOutput:
         total = None
-        async for delta in self.stream(prompt, params):
+        async for delta in self.stream(prompt, params, deadline=deadline):
             total = _merge(total, delta)
         assert total is not None
         return total
 
-    async def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None
-                   ) -> RequestOutput:
+    async def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
+                   deadline: float | None = None) -> RequestOutput:
         total = None
-        async for delta in self.stream(None, params, messages=messages):
+        async for delta in self.stream(None, params, messages=messages, deadline=deadline):
             total = _merge(total, delta)
         assert total is not None
         return total
