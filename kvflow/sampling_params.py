@@ -85,7 +85,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         )
         for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name}={_short(getattr(self, name))} {rule}")
+                raise ValueError(f"SamplingParams.{name}={shorten(getattr(self, name))} {rule}")
         self._validate_stops()
         self._validate_logit_bias()
 
@@ -96,7 +96,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                              f"{MAX_STOP_STRINGS} are allowed")
         for s in stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"SamplingParams.stop={_short(s)}: a stop string must have 1 "
+                raise ValueError(f"SamplingParams.stop={shorten(s)}: a stop string must have 1 "
                                  f"to {MAX_STOP_STRING_CHARS} characters")
         ids = self.stop_token_ids or []
         if len(ids) > MAX_STOP_TOKEN_IDS:
@@ -104,7 +104,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                              f"{MAX_STOP_TOKEN_IDS} are allowed")
         bad = next((t for t in ids if not 0 <= t <= MAX_INT32), None)
         if bad is not None:
-            raise ValueError(f"SamplingParams.stop_token_ids contains {_short(bad)}: token ids "
+            raise ValueError(f"SamplingParams.stop_token_ids contains {shorten(bad)}: token ids "
                              f"are in [0, {MAX_INT32}]")
 
     def _validate_logit_bias(self) -> None:
@@ -115,7 +115,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                              f"{MAX_LOGIT_BIAS} are allowed")
         for token_id, value in bias.items():
             if not 0 <= token_id <= MAX_INT32 or not -100 <= value <= 100:
-                raise ValueError(f"SamplingParams.logit_bias[{_short(token_id)}]={value!r}: ids "
+                raise ValueError(f"SamplingParams.logit_bias[{shorten(token_id)}]={value!r}: ids "
                                  "must be >= 0 (in the vocabulary) and values in [-100, 100]")
 
     @property
@@ -129,7 +129,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.temperature == 0.0
 
 
-def _short(value: object, limit: int = 60) -> str:
+def shorten(value: object, limit: int = 60) -> str:
     """A value for an error message, cut: a hostile value must not make a huge message."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -16,9 +16,8 @@ from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.validation import check_request
 from kvflow.ipc.messages import (INTERNAL_ERROR, EngineOutputs, EngineRequest, EngineStats,
-                                 FinishReason,
-                                 RequestDelta, ResetPrefixCache, StepPlan, StepResult, UtilityCall,
-                                 UtilityResult)
+                                 FinishReason, RequestDelta, ResetPrefixCache, StepPlan,
+                                 StepResult, UtilityCall, UtilityResult)
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3     # steps in a row that raise: the worker is broken, not a request

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kvflow.errors import EngineDeadError, EngineOverloadedError
+from kvflow.frontend.api.protocol import MAX_MESSAGES
 from kvflow.frontend.async_engine import AsyncEngine, RequestStream
 from kvflow.frontend.processor import Prompt
 from kvflow.ipc.messages import (ClientAbort, ClientOutput, ClientRequest, ClientStats,
@@ -173,7 +174,6 @@ class ZmqServer:
 
 
 def _messages(msg: ClientRequest) -> list[dict[str, str]] | None:
-    from kvflow.frontend.api.protocol import MAX_MESSAGES
     if msg.messages is not None and len(msg.messages) > MAX_MESSAGES:
         raise ValueError(f"messages has {len(msg.messages)} entries; at most {MAX_MESSAGES} "
                          "are allowed")

@@ -26,7 +26,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Iterator
 
 import msgspec
 import uvicorn
@@ -39,16 +39,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 import kvflow
 from kvflow.errors import EngineDeadError, EngineOverloadedError
-from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
-                                          StreamOptions, parse)
-from kvflow.frontend.api.protocol import MAX_MESSAGES, value_error
+from kvflow.frontend.api.protocol import (MAX_MESSAGES, ApiError, ChatRequest,
+                                          CompletionRequest, parse, value_error)
 from kvflow.frontend.api.serving import Job, Serving, error_body
 from kvflow.frontend.async_engine import AsyncEngine
 from kvflow.frontend.metrics import Metrics
-from kvflow.frontend.processor import InputProcessor, Prompt
+from kvflow.frontend.processor import InputProcessor
 from kvflow.frontend.server import ZmqServer
 from kvflow.frontend.supervisor import SupervisedEngine
-from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +93,10 @@ def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
         req = parse(await read_body(request, opts.max_request_bytes), CompletionRequest)
         _check_model(req.model, opts)
         items = serving.completion_items(req)
-
-        async def prepared() -> list[tuple[Prompt, list[SamplingParams]]]:
-            return items
-        return await _generate(request, engine, serving, Job("text_completion",
-                                                             opts.model_name),
-                               req, sum(len(params) for _, params in items), prepared, req.echo)
+        job = Job("text_completion", opts.model_name)
+        with engine.admission(sum(len(params) for _, params in items)):   # 503 at once
+            await serving.open(job, items, req.echo, req.timeout)
+        return await _respond(request, serving, job, req)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -108,10 +104,10 @@ def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
         _check_model(req.model, opts)
         serving.check_chat(req)
         job = Job("chat.completion", opts.model_name, top_logprobs=req.top_logprobs)
-
-        async def prepared() -> list[tuple[Prompt, list[SamplingParams]]]:
-            return await engine.run_blocking(serving.chat_items, req)     # off the loop
-        return await _generate(request, engine, serving, job, req, req.n, prepared, False)
+        with engine.admission(req.n):                                     # 503 at once
+            items = await engine.run_blocking(serving.chat_items, req)    # off the loop
+            await serving.open(job, items, False, req.timeout)
+        return await _respond(request, serving, job, req)
 
     return app
 
@@ -136,18 +132,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _generate(request: Request, engine: AsyncEngine, serving: Serving, job: Job,
-                    req: CompletionRequest | ChatRequest, num_new: int,
-                    items: Callable[[], Awaitable[list[tuple[Prompt, list[SamplingParams]]]]],
-                    echo: bool) -> Response:
-    """Admit `num_new` engine requests (503 at once when the queue is full), prepare and
-    submit them (so a bad request or an overload is a status code, streaming or not), then
-    answer whole or as server-sent events."""
+async def _respond(request: Request, serving: Serving, job: Job,
+                   req: CompletionRequest | ChatRequest) -> Response:
+    """Answer a submitted job whole or as server-sent events (submitted first, so a bad
+    request or an overload is a status code, streaming or not)."""
     stream, stream_options = req.stream, req.stream_options
-    if stream_options is not None and not stream:
-        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    with engine.admission(num_new):
-        await serving.open(job, await items(), echo, req.timeout)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return StreamingResponse(_stream(serving, job, include_usage),

@@ -15,7 +15,7 @@ import math
 
 import msgspec
 
-from kvflow.sampling_params import MAX_LOGIT_BIAS, SamplingParams, _short
+from kvflow.sampling_params import MAX_LOGIT_BIAS, SamplingParams, shorten
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +151,17 @@ def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> A
         unsupported = {}
     for name, accepted in unsupported.items():
         if name in raw and not accepted(raw[name]):
-            raise ApiError(400, f"{name}={_short(raw[name])} is not supported by kvflow", name)
+            raise ApiError(400, f"{name}={shorten(raw[name])} is not supported by kvflow", name)
     unknown = sorted(set(raw) - set(kind.__struct_fields__) - _IGNORED)
     if unknown:                                  # as vLLM does: accepted, but said
         logger.warning("ignoring %d unknown request field(s): %s", len(unknown),
-                       _short(", ".join(unknown[:10]), 200))
+                       shorten(", ".join(unknown[:10]), 200))
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
         match = re.search(r"at `\$\.(\w+)|missing required field `(\w+)`", str(e))
         param = next((g for g in match.groups() if g), None) if match else None
-        raise ApiError(400, f"invalid request: {_short(str(e), 300)}", param) from None
+        raise ApiError(400, f"invalid request: {shorten(str(e), 300)}", param) from None
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -197,7 +197,7 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(request.messages):
         if m.role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role={_short(m.role)} is not supported (system, "
+            raise ApiError(400, f"messages[{i}].role={shorten(m.role)} is not supported (system, "
                                 "developer, user, assistant)", "messages")
         if m.tool_calls:
             raise ApiError(400, f"messages[{i}].tool_calls is not supported by kvflow "
@@ -211,16 +211,18 @@ def _content(content: str | list[TextPart] | None, i: int) -> str:
         return content or ""
     for part in content:
         if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages[{i}].content: part type {_short(part.type)} is not "
+            raise ApiError(400, f"messages[{i}].content: part type {shorten(part.type)} is not "
                                 "supported (only text)", "messages")
     return "\n".join(part.text or "" for part in content)
 
 
 def check_request_shape(request: _Sampling, max_n: int) -> None:
-    """What must hold before any work is done for a request: n within --max-n, a sane
-    deadline."""
+    """What must hold before any work is done for a request: stream_options only when
+    streaming, n within --max-n, a sane deadline."""
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
     if not 1 <= request.n <= max_n:
-        raise ApiError(400, f"n={_short(request.n)} must be in [1, {max_n}] (the server's "
+        raise ApiError(400, f"n={shorten(request.n)} must be in [1, {max_n}] (the server's "
                             "--max-n)", "n")
     if request.timeout is not None and not (math.isfinite(request.timeout)
                                             and request.timeout > 0):

@@ -245,9 +245,9 @@ async def _drain(stream: RequestStream) -> None:
 def _check_error(stream: RequestStream) -> None:
     out = stream.output
     if out.finish_reason == FinishReason.ERROR:
-        if (out.error or "").startswith(INTERNAL_ERROR_PREFIX):
-            raise ApiError(500, out.error, kind="server_error")
-        raise ApiError(400, out.error or "the engine rejected the request")
+        error = out.error or "the engine rejected the request"
+        raise ApiError(500, error, kind="server_error") if error.startswith(
+            INTERNAL_ERROR_PREFIX) else ApiError(400, error)
 
 
 async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
