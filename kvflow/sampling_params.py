@@ -9,6 +9,7 @@ and top_k against the vocabulary) are `kvflow/core/validation.py`'s.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -20,6 +21,42 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300            # logit_bias entries per request (OpenAI's own limit)
 MAX_INT32 = 2**31 - 1           # token counts, ids and top_k: far above any real value
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what msgpack carries
+MAX_GRAMMAR_BYTES = 64 * 1024   # a structured-output constraint, as JSON (schema, grammar, ...)
+MAX_CHOICES = 1024              # strings in a `choice` constraint
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one
+    of `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
+    `regex` (the whole output matches it), `choice` (the output is one of the strings) or
+    `grammar` (Lark, or llama.cpp's GBNF; llguidance reads both). `disable_any_whitespace`:
+    JSON without whitespace between tokens; `whitespace_pattern`: a regex for that whitespace
+    instead. kvflow/core/grammar.py compiles it; `check` here bounds only its shape."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def check(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(kinds) != 1:
+            raise ValueError("SamplingParams.structured_outputs must set exactly one of json, "
+                             f"json_object, regex, choice or grammar (got {kinds or 'none'})")
+        if self.choice is not None and not (
+                1 <= len(self.choice) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be 1 to "
+                             f"{MAX_CHOICES} non-empty strings")
+        size = len(msgspec.json.encode(self))
+        if size > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"SamplingParams.structured_outputs is {size} bytes as JSON; at "
+                             f"most {MAX_GRAMMAR_BYTES} are allowed")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -52,6 +89,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False   # keep a matched stop string in the text
+    # Constrained decoding (JSON schema, regex, choice, grammar): kvflow/core/grammar.py.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +127,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ValueError(f"SamplingParams.{name}={shorten(getattr(self, name))} {rule}")
         self._validate_stops()
         self._validate_logit_bias()
+        if self.structured_outputs is not None:
+            self.structured_outputs.check()
 
     def _validate_stops(self) -> None:
         stop = self.stop or []
