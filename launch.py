@@ -92,6 +92,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="restarts of a dead or hung engine (EngineCore or a worker) within "
                              "10 minutes, every unfinished request resumed; then the server "
                              "gives up and answers 503 (0: fail-stop, as vLLM)")
+    parser.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                        help="structured outputs: seconds to compile a request's constraint "
+                             "(JSON schema, regex, choice, grammar); a slower one is refused "
+                             "with a 400 naming it")
     parser.add_argument("--cluster-secret-file", default=None,
                         help="several nodes: a file holding the secret every node shares "
                              "(default: $KVFLOW_CLUSTER_SECRET); it authenticates and encrypts "

@@ -93,6 +93,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # RESTART_WINDOW seconds, resuming every unfinished request.
     step_timeout: float = 60.0
     max_engine_restarts: int = 3
+    # Structured outputs (kvflow/core/grammar.py): a constraint not compiled within this many
+    # seconds is refused (a 400), so no request waits on a pathological grammar.
+    grammar_compile_timeout: float = 10.0
 
 
 def cache_dir() -> str:
@@ -179,6 +182,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     step_timeout: float = 60.0            # a step unfinished after this (+ per token) hung
     max_engine_restarts: int = 3          # restarts within 10 minutes before giving up
     cluster_secret_file: str | None = None  # several nodes: the shared secret (or the env var)
+    grammar_compile_timeout: float = 10.0  # structured outputs: seconds to compile one
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
@@ -217,6 +221,10 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
                          "device='cuda'")
     if not isinstance(o.step_timeout, (int, float)) or not o.step_timeout > 0:
         raise ValueError(f"step_timeout={o.step_timeout!r} must be > 0 seconds")
+    if (not isinstance(o.grammar_compile_timeout, (int, float))
+            or not o.grammar_compile_timeout > 0):
+        raise ValueError(f"grammar_compile_timeout={o.grammar_compile_timeout!r} must be > 0 "
+                         "seconds")
     if not isinstance(o.max_engine_restarts, int) or o.max_engine_restarts < 0:
         raise ValueError(f"max_engine_restarts={o.max_engine_restarts!r} must be >= 0")
     _check_tp(hf, o.tensor_parallel_size)
@@ -238,7 +246,8 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         parallel=parallel,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
-        step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts)
+        step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
+        grammar_compile_timeout=float(o.grammar_compile_timeout))
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

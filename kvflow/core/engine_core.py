@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvflow.config import EngineConfig
 from kvflow.core.block_manager import BlockManager
+from kvflow.core.grammar import StructuredOutputs
 from kvflow.core.request import Request
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.validation import check_request
@@ -34,7 +35,10 @@ class StepFailure(RuntimeError):
 class Executor(Protocol):
     num_blocks: int
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None
+                ) -> StepResult:
+        """Run the plan; `masks` (when plan.masked_ids is not empty) computes the bitmask
+        rows of the constrained requests: call it while the forward runs if you can."""
 
 
 class CoreTimes:
@@ -61,6 +65,9 @@ class EngineCore:
         self.times = CoreTimes()
         self.num_received = 0
         self.failed_steps = 0                   # in a row (a step that raised)
+        self.structured = StructuredOutputs(config.model.path, config.model.vocab_size,
+                                            config.model.eos_token_ids,
+                                            config.grammar_compile_timeout)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request, or queue an error reply naming what is wrong with it."""
@@ -70,12 +77,16 @@ class EngineCore:
             self.pending.append(RequestDelta(request.request_id, [], FinishReason.ERROR,
                                              error=error))
             return
-        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
-                                           request.sampling_params, request.arrival_time,
-                                           request.output_token_ids))
+        r = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                    request.arrival_time, request.output_token_ids)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.add(r)          # waits outside the scheduler until compiled
+        else:
+            self.scheduler.add_request(r)
 
     def validate(self, request: EngineRequest) -> str | None:
-        if request.request_id in self.scheduler.requests:
+        if (request.request_id in self.scheduler.requests
+                or request.request_id in self.structured.compiling):
             return f"request_id={request.request_id!r} is already in use"
         try:
             request.sampling_params.validate()
@@ -91,6 +102,8 @@ class EngineCore:
                              num_blocks=self.block_manager.num_blocks)
 
     def abort(self, request_ids: list[str]) -> None:
+        for request_id in self.structured.abort(request_ids):
+            self.pending.append(RequestDelta(request_id, [], FinishReason.ABORT))
         self.pending.extend(self.scheduler.abort(request_ids))
 
     def utility(self, call: UtilityCall, executor_timings: dict[str, float] | None = None
@@ -105,17 +118,31 @@ class EngineCore:
             "update": t.update, **(executor_timings or {})})
 
     def has_work(self) -> bool:
+        """Anything to schedule or to say (requests still compiling are not: a compile that
+        ends wakes EngineCore's poll through `structured.wakeup_fd`)."""
         return self.scheduler.has_unfinished() or bool(self.pending)
+
+    def take_compiled(self) -> None:
+        """Queue the constrained requests whose grammar is ready; fail those that failed."""
+        if not self.structured.compiling:
+            return
+        ready, failed = self.structured.collect()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request_id, error in failed:
+            self.pending.append(RequestDelta(request_id, [], FinishReason.ERROR, error=error))
 
     def step(self) -> EngineOutputs:
         """Schedule one step, execute it, and return every request's news."""
         t0 = time.perf_counter()
+        self.take_compiled()
         plan, batch = self.scheduler.schedule()
+        masks = self._masks(plan, batch)
         t1 = time.perf_counter()
         deltas, self.pending = self.pending, []
         if batch or plan.forget_ids:
             try:
-                result = self.executor.execute(plan)
+                result = self.executor.execute(plan, masks)
             except Exception as e:      # a worker died or hung in this step: name its batch
                 raise StepFailure(str(e), list(plan.scheduled_ids)) from e
             t2 = time.perf_counter()
@@ -126,6 +153,19 @@ class EngineCore:
                 deltas.extend(self.scheduler.update(plan, batch, result))
             self._record_times(t0, t1, t2)
         return EngineOutputs(deltas, self.stats())
+
+    def _masks(self, plan: StepPlan, batch: list[Request]) -> Callable[[], bytes] | None:
+        """Name the constrained requests that sample this step (plan.masked_ids) and return
+        what computes their bitmask rows (run by the executor while the forward runs)."""
+        grammars = []
+        for request, n in zip(batch, plan.num_scheduled_tokens):
+            if (request.grammar is not None
+                    and request.num_computed_tokens + n == request.num_tokens):
+                plan.masked_ids.append(request.request_id)
+                grammars.append(request.grammar)
+        if not grammars:
+            return None
+        return lambda: self.structured.fill_masks(grammars)
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()

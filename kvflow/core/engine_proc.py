@@ -47,6 +47,7 @@ class EngineCoreProc:
         self.poller.register(parent_fd, zmq.POLLIN)
         for s in self.executor.watched:
             self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.core.structured.wakeup_fd, zmq.POLLIN)   # a compile ended
         self.running = True
         self.last_sent = time.monotonic()
         # While a step runs (a long prefill), say we live: the frontend's watchdog counts
@@ -70,6 +71,9 @@ class EngineCoreProc:
         ready = dict(self.poller.poll(self.executor.poll_interval_ms if block else 0))
         if self.parent_fd in ready:
             raise ParentGone()
+        if self.core.structured.wakeup_fd in ready:
+            self.core.structured.drain_wakeups()
+            self.core.take_compiled()
         self.executor.check_alive()
         while self.running and self.input.poll(0):
             self.handle(self.input.recv())

@@ -17,7 +17,8 @@ import zmq
 from kvflow.config import EngineConfig, ParallelConfig
 from kvflow.ipc.auth import Authenticator, ClusterKeys
 from kvflow.ipc.messages import (ChildFailed, FromNode, FromWorker, Heartbeat, Ping, Pong,
-                                 Shutdown, StepPlan, StepResult, ToWorker, WorkerReady)
+                                 Shutdown, StepMasks, StepPlan, StepResult, ToWorker,
+                                 WorkerReady)
 from kvflow.ipc.network import host_ip, tcp_address
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, ipc_address, make_socket
@@ -169,12 +170,17 @@ class MultiprocExecutor:
         while self.results.poll(100):                # late Pongs of repeated Pings
             self.results.recv()
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Broadcast the plan and wait for rank 0's result. The watchdog: a step unfinished
-        after step_timeout + 10 x its tokens x the slowest recent time per token counts as
-        a hung worker (WorkerFailure); a long prefill is given time in proportion."""
+    def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None
+                ) -> StepResult:
+        """Broadcast the plan and wait for rank 0's result; the constrained requests'
+        bitmasks (`masks`) are computed while the workers run the forward, and follow the
+        plan. The watchdog: a step unfinished after step_timeout + 10 x its tokens x the
+        slowest recent time per token counts as a hung worker (WorkerFailure); a long
+        prefill is given time in proportion."""
         start = time.perf_counter()
         self.plans.send(plan)
+        if masks is not None:
+            self.plans.send(StepMasks(masks()))
         tokens = max(1, sum(plan.num_scheduled_tokens))
         limit = self.step_timeout + 10 * tokens * self.seconds_per_token
         deadline = time.monotonic() + limit

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from kvflow.ipc.messages import FinishReason
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.core.grammar import Grammar
 
 
 class Status(enum.Enum):
@@ -38,6 +42,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0    # leading blocks whose hash is in the prefix cache
         self.finish_reason: FinishReason | None = None
+        # Structured outputs: the matcher of its constraint (kvflow/core/grammar.py), set
+        # once compiled; the scheduler advances it with each token.
+        self.grammar: Grammar | None = None
         # What the worker already knows of this request (plans are diffs against it).
         self.on_worker = False
         self.num_tokens_sent = 0

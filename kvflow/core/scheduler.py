@@ -160,6 +160,8 @@ class Scheduler:
         elif (request.num_output_tokens >= params.max_tokens
               or request.num_tokens >= self.max_model_len):
             request.finish_reason = FinishReason.LENGTH
+        if request.grammar is not None and request.grammar.accept(token_id):
+            request.finish_reason = request.finish_reason or FinishReason.STOP  # complete
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -48,7 +48,10 @@ class InProcessEngine:
         self.core.abort(request_ids)
 
     def get_outputs(self, timeout: float | None = None) -> EngineOutputs | None:
-        """Run one step (in-process there is nothing to wait for)."""
+        """Run one step (in-process there is nothing to wait for, but a compiling
+        constrained request)."""
+        if not self.core.has_work():
+            self.core.structured.wait(timeout or 0.1)
         return self.core.step()
 
     def utility(self, call: UtilityCall) -> dict[str, float]:

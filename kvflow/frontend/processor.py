@@ -6,6 +6,7 @@ import numbers
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.core.grammar import GrammarCompiler
 from kvflow.core.validation import check_request
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.tokenizer import Tokenizer
@@ -19,6 +20,17 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Checks structured-output constraints (built on first use: it loads llguidance's
+        view of the tokenizer)."""
+        if self._grammars is None:
+            model = self.config.model
+            self._grammars = GrammarCompiler(model.path, model.vocab_size, model.eos_token_ids,
+                                             self.config.grammar_compile_timeout, threads=2)
+        return self._grammars
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.apply_chat_template(messages)
@@ -35,6 +47,8 @@ class InputProcessor:
         its event loop, since a long prompt takes a while to tokenize."""
         for p in params:
             p.validate()
+            if p.structured_outputs is not None:
+                self.grammars.check(p.structured_outputs)
         text = prompt if isinstance(prompt, str) else None
         if text is None and not (isinstance(prompt, (list, tuple))
                                  and all(isinstance(t, numbers.Integral)

@@ -107,6 +107,15 @@ class StepPlan(_Hot, tag=True):
     num_scheduled_tokens: list[int]
     # Requests to forget before this step (finished, aborted or preempted).
     forget_ids: list[str]
+    # Structured outputs: the requests sampling this step under a constraint, in batch
+    # order; their token bitmasks follow in a StepMasks, sent while the forward runs.
+    masked_ids: list[str] = []
+
+
+class StepMasks(_Hot, tag=True):
+    """The bitmask rows of a plan's masked_ids (int32 words; bit t: token t allowed),
+    kvflow/core/grammar.py."""
+    bitmask: bytes
 
 
 class StepResult(_Hot, tag=True):
@@ -198,7 +207,7 @@ class ClusterInfo(msgspec.Struct, frozen=True):
 # What each receiver accepts (a tagged union per socket direction).
 ToEngine = EngineRequest | Abort | ResetPrefixCache | GetTimings | Shutdown
 FromEngine = EngineOutputs | EngineReady | ChildFailed | UtilityResult
-ToWorker = StepPlan | Ping | Shutdown
+ToWorker = StepPlan | StepMasks | Ping | Shutdown
 FromWorker = StepResult | WorkerReady | Pong | ChildFailed
 ToNode = Heartbeat | Shutdown
 FromNode = Heartbeat | ChildFailed

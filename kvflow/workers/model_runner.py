@@ -6,7 +6,8 @@ in the cache; plans only carry what changed, so this state must follow every pla
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -75,7 +76,9 @@ class ModelRunner:
             state.block_ids.extend(continuing.new_block_ids)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None) -> StepResult:
+        """`masks`: the bitmask rows of plan.masked_ids (structured outputs), asked for once
+        the logits are computed (in the cluster they arrive while the forward runs)."""
         t0 = time.perf_counter()
         self.apply_plan(plan)
         if not plan.scheduled_ids:
@@ -87,13 +90,29 @@ class ModelRunner:
         t2 = time.perf_counter()
         result = StepResult([], [])
         if self.is_driver and logits is not None:
-            ids, logprobs = self.sampler(logits, inputs.sampling)
+            sampling = inputs.sampling
+            if plan.masked_ids:
+                assert masks is not None, "a plan with masked_ids needs its masks"
+                sampling = self._with_masks(sampling, inputs.sampled_request_ids,
+                                            plan.masked_ids, masks(), logits.shape[-1])
+            ids, logprobs = self.sampler(logits, sampling)
             result = StepResult(inputs.sampled_request_ids, ids, logprobs)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
         self.times.forward += t2 - t1
         self.times.sample += t3 - t2
         return result
+
+    def _with_masks(self, sampling: SamplingBatch, sampled_ids: list[str], masked_ids: list[str],
+                    bitmask: bytes, vocab: int) -> SamplingBatch:
+        """The batch with the constrained rows' allowed tokens ([rows, vocab] bool)."""
+        row_of = {request_id: i for i, request_id in enumerate(sampled_ids)}
+        words = np.frombuffer(bitmask, dtype=np.int32).reshape(len(masked_ids), -1)
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        if bits.shape[1] < vocab:                  # a tokenizer smaller than the model's rows
+            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+        allowed = torch.from_numpy(bits.view(np.bool_)).to(self.device)
+        return replace(sampling, masked_rows=[row_of[i] for i in masked_ids], allowed=allowed)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.graph_batch:

@@ -28,6 +28,10 @@ class SamplingBatch:
     # Each row's prompt + output token ids so far (the runner's own lists, not copies), of
     # which the last output_positions[i] are outputs; read only for params.processes_logits.
     token_ids: Sequence[list[int]] = ()
+    # Structured outputs: these rows may only sample the tokens `allowed` marks ([len(rows),
+    # vocab] bool, from their grammars' bitmasks, kvflow/core/grammar.py).
+    masked_rows: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -72,6 +76,8 @@ class Sampler:
         scores = logits
         if any(p.processes_logits for p in params):
             scores = self._process(logits, batch)                   # float32 copy
+        if batch.allowed is not None:
+            scores = self._constrain(logits, scores, batch)         # float32 copy
         token_ids = self.argmax(scores)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -87,6 +93,25 @@ class Sampler:
         return apply_logits_processors(logits.to(torch.float32, copy=True), batch.params,
                                        batch.token_ids, batch.output_positions,
                                        self.eos_token_ids)
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, scores: torch.Tensor, batch: SamplingBatch
+                   ) -> torch.Tensor:
+        """Grammar masks: the constrained rows' forbidden tokens to -inf, after min_tokens,
+        logit_bias and penalties (the other rows keep their values exactly). Should those
+        have excluded every token the grammar allows (min_tokens while only EOS may come),
+        the grammar wins: the row keeps its raw logits on the allowed tokens."""
+        if scores is logits:
+            scores = logits.to(torch.float32, copy=True)
+        assert batch.allowed is not None
+        rows = torch.tensor(list(batch.masked_rows), device=scores.device)
+        forbidden = ~batch.allowed
+        masked = scores.index_select(0, rows).masked_fill_(forbidden, float("-inf"))
+        dead = torch.isneginf(masked).all(dim=1)
+        if bool(dead.any()):
+            raw = logits.index_select(0, rows).float().masked_fill_(forbidden, float("-inf"))
+            masked = torch.where(dead.unsqueeze(1), raw, masked)
+        return scores.index_copy_(0, rows, masked)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from typing import Callable
 
 import torch
 
@@ -186,12 +187,13 @@ class Worker:
                     "in %.1f s, %.2f GiB", self.tp.rank, sizes[0], sizes[-1], len(sizes),
                     time.perf_counter() - start, used / 2**30)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None
+                ) -> StepResult:
         """The step's result; a step that raises (a bug, or data the boundary let through)
         is reported in `StepResult.error`, and EngineCore fails that step's requests instead
         of the engine (docs/design.md, "A step that raises")."""
         try:
-            return self.runner.execute(plan)
+            return self.runner.execute(plan, masks)
         except Exception:
             logger.exception("rank %d: a step of %d request(s) failed", self.tp.rank,
                              len(plan.scheduled_ids))

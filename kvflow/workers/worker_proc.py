@@ -10,6 +10,7 @@ Torch is imported inside the process, never by the module's importer.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.ipc.auth import ClusterKeys
 from kvflow.ipc.messages import (ChildFailed, ClusterInfo, FromWorker, Ping, Pong, Shutdown,
-                                 StepPlan, ToWorker, WorkerReady)
+                                 StepMasks, StepPlan, ToWorker, WorkerReady)
 from kvflow.ipc.network import host_ip, interface_of
 from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
@@ -226,13 +227,29 @@ def _loop(worker, rank: int, plans: Channel, results: Channel,  # type: ignore[n
             results.send(Pong(rank, msg.seq))
         elif isinstance(msg, StepPlan):
             start = time.perf_counter()
-            result = worker.execute(msg)
+            masks = None
+            if msg.masked_ids and rank == 0:      # they follow the plan (only rank 0 samples)
+                masks = functools.partial(_recv_masks, poller, plans, parent_fd)
+            result = worker.execute(msg, masks)
             result.worker_seconds = time.perf_counter() - start
             if result.error is not None and rank != 0:
                 # Rank 0 may now wait in a collective this rank left: not recoverable.
                 raise RuntimeError(f"rank {rank}'s step failed:\n{result.error}")
             if rank == 0:
                 results.send(result)
+
+
+def _recv_masks(poller: zmq.Poller, plans: Channel, parent_fd: int) -> bytes:
+    """The StepMasks that follows a plan with masked_ids (EngineCore computes it while the
+    forward runs)."""
+    while True:
+        ready = dict(poller.poll())
+        if parent_fd in ready:
+            raise RuntimeError("EngineCore is gone while a step waited for its masks")
+        msg = plans.recv()
+        if isinstance(msg, StepMasks):
+            return msg.bitmask
+        raise RuntimeError(f"expected the step's StepMasks, got {type(msg).__name__}")
 
 
 class Announce(NamedTuple):
