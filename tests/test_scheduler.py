@@ -68,7 +68,8 @@ class FakeExecutor:
         self.requests: dict[str, WorkerRequest] = {}
         self.plans: list[StepPlan] = []
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None) -> StepResult:
+        assert not plan.masked_ids and masks is None, "no constrained requests here"
         self.plans.append(plan)
         assert sum(plan.num_scheduled_tokens) <= self.max_num_batched_tokens, plan
         assert len(plan.scheduled_ids) <= self.max_num_seqs, plan
