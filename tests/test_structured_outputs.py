@@ -9,11 +9,13 @@ import os
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import make_engine_config
+from kvflow.core.grammar import Grammar, StructuredOutputs
 from kvflow.frontend.engine_client import InProcessEngine
 from kvflow.frontend.tokenizer import Tokenizer
 from kvflow.ipc.messages import EngineRequest, FinishReason
@@ -235,3 +237,20 @@ def test_sampler_masks_only_the_constrained_rows() -> None:
     assert masked[1:3] == plain[1:3]
     assert masked[0] == max([3, 50, 77], key=lambda t: logits[0, t].item())
     assert masked[3] == 0
+
+
+def test_a_failed_matcher_ends_its_request_with_an_error(default_model: str) -> None:
+    """A matcher in error (a token its mask forbade, or a limit hit while computing a mask)
+    gets a mask of EOS only, and `accept` stops the request with an error that says so."""
+    config = make_engine_config(default_model, dtype=DTYPE)
+    structured = StructuredOutputs(config.model.path, config.model.vocab_size,
+                                   config.model.eos_token_ids, 10.0)
+    tokenizer = Tokenizer(default_model)
+    grammar = Grammar(structured.compiler.compile(Constraint(regex="[0-9]+")))
+    digits = tokenizer.encode("42")
+    assert [grammar.accept(t) for t in digits] == [False] * len(digits)
+    assert grammar.accept(tokenizer.encode("x")[0]) and "failed" in (grammar.error or "")
+    words = np.frombuffer(structured.fill_masks([grammar]), dtype=np.uint32)
+    allowed = [t for t in range(len(words) * 32) if words[t // 32] >> (t % 32) & 1]
+    assert allowed == list(config.model.eos_token_ids)
+    structured.close()

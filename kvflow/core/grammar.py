@@ -31,8 +31,11 @@ from kvflow.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 256        # compiled constraints kept (agents send the same schema every time)
-# llguidance's own bounds on one constraint's size and on the work of one token's mask.
-LIMITS = dict(max_grammar_size=500_000, step_lexer_fuel=500_000, max_items_in_row=2000)
+# llguidance's bounds on one constraint: its size, its lexer's memory (~2 kB a state), and
+# the work of one token's mask (its default fuel, ~15 ms at most). A constraint past them
+# fails with an error naming the limit. No error message echoes the grammar back.
+LIMITS = dict(max_grammar_size=500_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
+              verbose_errors=False)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -146,14 +149,15 @@ class Grammar:
 
     def __init__(self, matcher: llg.LLMatcher) -> None:
         self.matcher = matcher
+        self.error: str | None = None     # set when the matcher failed: the request fails
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; True when the constraint is complete (nothing may
-        follow), so the request stops. A token the mask forbade (it cannot be sampled)
-        leaves the matcher in error: the request stops too, and the log says why."""
-        if not self.matcher.consume_token(token_id):
-            logger.error("a constrained request sampled token %d that its grammar does not "
-                         "allow: %s", token_id, self.matcher.get_error())
+        """Advance by a sampled token; True when the request must stop: the constraint is
+        complete (nothing may follow), or the matcher failed (a limit hit while computing
+        its mask; `error` says which)."""
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            self.error = ("structured_outputs: the constraint failed while generating: "
+                          + (self.matcher.get_error()[:300] or "no allowed token"))
             return True
         return self.matcher.is_stopped()
 
@@ -244,6 +248,13 @@ class StructuredOutputs:
         self._executor.unsafe_compute_mask_ptr(
             [(g.matcher, i) for i, g in enumerate(grammars)], masks.ctypes.data,
             masks.shape[1] * 4, len(grammars))
+        for i, g in enumerate(grammars):
+            if g.matcher.is_error() or not masks[i].any():
+                # Failed (a limit): let it sample EOS only; `accept` then fails the request.
+                masks[i] = 0
+                bits = masks.view(np.uint32)
+                for eos in self.compiler.eos_token_ids:
+                    bits[i, eos // 32] |= np.uint32(1 << (eos % 32))
         return masks.tobytes()
 
     def close(self) -> None:

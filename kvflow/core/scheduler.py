@@ -144,7 +144,8 @@ class Scheduler:
                                        logprobs if request.sampling_params.logprobs is not None
                                        else None, request.num_cached_tokens,
                                        queue_seconds=(request.queue_seconds
-                                                      if request.num_output_tokens == 1 else 0.0)))
+                                                      if request.num_output_tokens == 1 else 0.0),
+                                       error=request.grammar.error if request.grammar else None))
             if request.finish_reason is not None:
                 self._finish(request)
         self.check()
@@ -161,7 +162,9 @@ class Scheduler:
               or request.num_tokens >= self.max_model_len):
             request.finish_reason = FinishReason.LENGTH
         if request.grammar is not None and request.grammar.accept(token_id):
-            request.finish_reason = request.finish_reason or FinishReason.STOP  # complete
+            # Complete (nothing may follow), or failed (the delta carries its error).
+            request.finish_reason = (FinishReason.ERROR if request.grammar.error
+                                     else request.finish_reason or FinishReason.STOP)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -106,6 +106,7 @@ class Sampler:
         assert batch.allowed is not None
         rows = torch.tensor(list(batch.masked_rows), device=scores.device)
         forbidden = ~batch.allowed
+        forbidden[~batch.allowed.any(dim=1)] = False    # nothing allowed: the grammar failed
         masked = scores.index_select(0, rows).masked_fill_(forbidden, float("-inf"))
         dead = torch.isneginf(masked).all(dim=1)
         if bool(dead.any()):
