@@ -232,8 +232,9 @@ def test_sampler_masks_only_the_constrained_rows() -> None:
     allowed[1, [0]] = True                  # row 3: only EOS (id 0), which min_tokens bans
     plain, _ = Sampler(0, eos_token_ids=[0])(logits, SamplingBatch(params, positions,
                                                                    token_ids))
+    bias = torch.zeros(2, vocab).masked_fill_(~allowed, float("-inf"))
     masked, _ = Sampler(0, eos_token_ids=[0])(logits, SamplingBatch(
-        params, positions, token_ids, masked_rows=[0, 3], allowed=allowed))
+        params, positions, token_ids, masked_rows=[0, 3], mask_bias=bias))
     assert masked[1:3] == plain[1:3]
     assert masked[0] == max([3, 50, 77], key=lambda t: logits[0, t].item())
     assert masked[3] == 0

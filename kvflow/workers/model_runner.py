@@ -62,6 +62,7 @@ class ModelRunner:
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.times = WorkerTimes()
+        self._byte_bias: torch.Tensor | None = None   # structured outputs' mask expansion
 
     def apply_plan(self, plan: StepPlan) -> None:
         for request_id in plan.forget_ids:
@@ -105,14 +106,23 @@ class ModelRunner:
 
     def _with_masks(self, sampling: SamplingBatch, sampled_ids: list[str], masked_ids: list[str],
                     bitmask: bytes, vocab: int) -> SamplingBatch:
-        """The batch with the constrained rows' allowed tokens ([rows, vocab] bool)."""
+        """The batch with the constrained rows' mask bias ([rows, vocab], 0 where allowed,
+        -inf elsewhere), expanded from the bitmask a byte at a time by a table lookup (a
+        bool masked_fill of the same rows costs ~10x more on CPU)."""
         row_of = {request_id: i for i, request_id in enumerate(sampled_ids)}
-        words = np.frombuffer(bitmask, dtype=np.int32).reshape(len(masked_ids), -1)
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        if bits.shape[1] < vocab:                  # a tokenizer smaller than the model's rows
-            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-        allowed = torch.from_numpy(bits.view(np.bool_)).to(self.device)
-        return replace(sampling, masked_rows=[row_of[i] for i in masked_ids], allowed=allowed)
+        data = np.frombuffer(bitmask, dtype=np.uint8).reshape(len(masked_ids), -1)
+        if self._byte_bias is None:       # byte value -> its 8 tokens' bias
+            bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                 bitorder="little")
+            self._byte_bias = torch.from_numpy(
+                np.where(bits == 1, 0.0, -np.inf).astype(np.float32)).to(self.device)
+        index = torch.from_numpy(data.astype(np.int64)).to(self.device)
+        bias = torch.nn.functional.embedding(index, self._byte_bias).view(len(masked_ids), -1)
+        if bias.shape[1] < vocab:                  # a tokenizer smaller than the model's rows
+            bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=-np.inf)
+        bias = bias[:, :vocab]
+        bias[~data.any(axis=1)] = 0.0              # nothing allowed: the grammar failed
+        return replace(sampling, masked_rows=[row_of[i] for i in masked_ids], mask_bias=bias)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.graph_batch:

@@ -28,10 +28,11 @@ class SamplingBatch:
     # Each row's prompt + output token ids so far (the runner's own lists, not copies), of
     # which the last output_positions[i] are outputs; read only for params.processes_logits.
     token_ids: Sequence[list[int]] = ()
-    # Structured outputs: these rows may only sample the tokens `allowed` marks ([len(rows),
-    # vocab] bool, from their grammars' bitmasks, kvflow/core/grammar.py).
+    # Structured outputs: these rows may only sample the tokens their grammars allow; the
+    # others get -inf from `mask_bias` ([len(masked_rows), vocab] float32 of 0 and -inf,
+    # from the grammars' bitmasks, kvflow/core/grammar.py).
     masked_rows: Sequence[int] = ()
-    allowed: torch.Tensor | None = None
+    mask_bias: torch.Tensor | None = None
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -76,7 +77,7 @@ class Sampler:
         scores = logits
         if any(p.processes_logits for p in params):
             scores = self._process(logits, batch)                   # float32 copy
-        if batch.allowed is not None:
+        if batch.mask_bias is not None:
             scores = self._constrain(logits, scores, batch)         # float32 copy
         token_ids = self.argmax(scores)
         if not all(p.greedy for p in params):
@@ -101,18 +102,19 @@ class Sampler:
         logit_bias and penalties (the other rows keep their values exactly). Should those
         have excluded every token the grammar allows (min_tokens while only EOS may come),
         the grammar wins: the row keeps its raw logits on the allowed tokens."""
-        if scores is logits:
+        processed = scores is not logits
+        if not processed:
             scores = logits.to(torch.float32, copy=True)
-        assert batch.allowed is not None
+        bias = batch.mask_bias
+        assert bias is not None
         rows = torch.tensor(list(batch.masked_rows), device=scores.device)
-        forbidden = ~batch.allowed
-        forbidden[~batch.allowed.any(dim=1)] = False    # nothing allowed: the grammar failed
-        masked = scores.index_select(0, rows).masked_fill_(forbidden, float("-inf"))
-        dead = torch.isneginf(masked).all(dim=1)
-        if bool(dead.any()):
-            raw = logits.index_select(0, rows).float().masked_fill_(forbidden, float("-inf"))
-            masked = torch.where(dead.unsqueeze(1), raw, masked)
-        return scores.index_copy_(0, rows, masked)
+        scores.index_add_(0, rows, bias)
+        if processed:
+            dead = torch.isneginf(scores.index_select(0, rows)).all(dim=1)
+            if bool(dead.any()):
+                raw = logits.index_select(0, rows).float() + bias
+                scores.index_copy_(0, rows[dead], raw[dead])
+        return scores
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
