@@ -114,6 +114,9 @@ def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm: LLM) -> Non
     mixed = llm.generate(["A person:"] + prompts + ["A sentence:"],
                          [constrained[0]] + plain + [constrained[1]], use_tqdm=False)
     assert [o.token_ids for o in mixed[1:4]] == alone
+    # And the other way round: a seeded constrained request does not depend on its batch.
+    single = llm.generate("A person:", constrained[0], use_tqdm=False)[0]
+    assert single.token_ids == mixed[0].token_ids
     jsonschema.validate(json.loads(mixed[0].text), PERSON)
     assert re.fullmatch(r"[a-z]+( [a-z]+)*\.", mixed[4].text)
 
