@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow import LLM, SamplingParams
+from cluster_helpers import serve_ready
+from kvflow import LLM, Client, SamplingParams
 from kvflow.config import make_engine_config
 from kvflow.core.grammar import Grammar, StructuredOutputs
 from kvflow.frontend.engine_client import InProcessEngine
@@ -258,3 +259,25 @@ def test_a_failed_matcher_ends_its_request_with_an_error(default_model: str) -> 
     allowed = [t for t in range(len(words) * 32) if words[t // 32] >> (t % 32) & 1]
     assert allowed == list(config.model.eos_token_ids)
     structured.close()
+
+
+def test_zmq_client_constraints(default_model: str) -> None:
+    """kvflow's own client (ZMQ) carries the constraint in SamplingParams: a streamed
+    constrained request validates, a refused one is a ValueError naming the keyword, and the
+    server serves on."""
+    s = serve_ready("--dtype", "float32", model=default_model, kv_cache_memory_gb=0.1,
+                    zmq=True)
+    try:
+        with Client(s.address, timeout=120) as client:
+            params = SamplingParams(temperature=0.7, seed=4, max_tokens=100,
+                                    structured_outputs=Constraint(json=PERSON))
+            text = "".join(d.text for d in client.stream("A person as JSON:", params))
+            jsonschema.validate(json.loads(text), PERSON)
+            with pytest.raises(ValueError, match="uniqueItems"):
+                client.generate("x", SamplingParams(structured_outputs=Constraint(
+                    json={"type": "array", "uniqueItems": True})))
+            out = client.generate("Yes or no?", SamplingParams(
+                temperature=0, max_tokens=5, structured_outputs=Constraint(choice=["yes", "no"])))
+            assert out.text in ("yes", "no")
+    finally:
+        s.cleanup()
