@@ -29,9 +29,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one
     of `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
     `regex` (the whole output matches it), `choice` (the output is one of the strings) or
-    `grammar` (Lark, or llama.cpp's GBNF; llguidance reads both). `disable_any_whitespace`:
-    JSON without whitespace between tokens; `whitespace_pattern`: a regex for that whitespace
-    instead. kvflow/core/grammar.py compiles it; `check` here bounds only its shape."""
+    `grammar` (Lark, or llama.cpp's GBNF; llguidance reads both). JSON may have whitespace
+    between tokens as pretty-printing has it (a newline and an indent, never a run of blank
+    lines: JSON_WHITESPACE in kvflow/core/grammar.py); `whitespace_pattern` is a regex for it
+    instead, and `disable_any_whitespace` allows none. kvflow/core/grammar.py compiles the
+    constraint; `check` here bounds only its shape."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False

@@ -64,14 +64,15 @@ def test_json_schemas_validate(llm: LLM) -> None:
     assert len(entries) >= 15
     convs, params, names = [], [], []
     for entry in entries:
-        convs += [ask(f"Reply with a JSON object for: {entry['name']}.")] * len(SEEDS)
+        convs += [ask(entry["prompt"])] * len(SEEDS)
         params += variants(400, Constraint(json=entry["schema"]))
         names += [entry["name"]] * len(SEEDS)
     outs = llm.chat(convs, params, use_tqdm=False)
     for name, p, out in zip(names, params, outs):
         schema = p.structured_outputs.json          # type: ignore[union-attr]
         assert out.finish_reason == "stop", (name, out.text)
-        jsonschema.validate(json.loads(out.text), schema)
+        jsonschema.validate(json.loads(out.text), schema,
+                            format_checker=jsonschema.FormatChecker())
 
 
 def test_regex_choice_and_grammars(llm: LLM) -> None:
@@ -281,3 +282,20 @@ def test_zmq_client_constraints(default_model: str) -> None:
             assert out.text in ("yes", "no")
     finally:
         s.cleanup()
+
+
+def test_json_whitespace_options(llm: LLM) -> None:
+    """By default JSON may be pretty-printed but never runs blank lines; with
+    disable_any_whitespace it is compact; a whitespace_pattern replaces the default."""
+    conv = ask("Describe a person as JSON, nicely indented.")
+    default, compact, spaced = llm.chat([conv] * 3, [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=150, structured_outputs=c)
+        for s, c in ((5, Constraint(json=PERSON)),
+                     (5, Constraint(json=PERSON, disable_any_whitespace=True)),
+                     (5, Constraint(json=PERSON, whitespace_pattern=" ?")))], use_tqdm=False)
+    for out in (default, compact, spaced):
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert "\n\n" not in default.text
+    assert compact.text == json.dumps(json.loads(compact.text), separators=(",", ":"),
+                                      ensure_ascii=False)
+    assert "\n" not in spaced.text and "  " not in spaced.text.replace('"', "")

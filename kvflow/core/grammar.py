@@ -30,6 +30,11 @@ import numpy as np
 from kvflow.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+# Whitespace allowed between JSON tokens unless the request says otherwise: pretty-printing
+# (a newline and an indent), never a run of newlines. JSON's own rule (any whitespace) lets a
+# small model loop on "\n\n\n..." until max_tokens, leaving invalid JSON; vLLM users meet
+# this and must find `disable_any_whitespace`.
+JSON_WHITESPACE = r"[ \t]{0,8}(\n[ \t]{0,48})?"
 CACHE_SIZE = 256        # compiled constraints kept (agents send the same schema every time)
 # llguidance's bounds on one constraint: its size, its lexer's memory (~2 kB a state), and
 # the work of one token's mask (its default fuel, ~15 ms at most). A constraint past them
@@ -52,8 +57,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         options: dict = {}
         if spec.disable_any_whitespace:
             options["whitespace_flexible"] = False
-        if spec.whitespace_pattern is not None:
-            options["whitespace_pattern"] = spec.whitespace_pattern
+        else:
+            options["whitespace_pattern"] = spec.whitespace_pattern or JSON_WHITESPACE
         return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options or None)
     if spec.regex is not None:
         return llg.LLMatcher.grammar_from_regex(spec.regex)
