@@ -169,13 +169,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         max_waiting_requests=args.max_waiting_requests, max_n=args.max_n,
                         max_request_bytes=args.max_request_bytes,
                         max_connections=args.max_connections, http_timeout=args.http_timeout,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        auto_tool_parser=_auto_tool_parser(args))
     engine, processor = start_cluster(args)
     try:
         run(serve(engine, processor, opts))
     finally:
         engine.shutdown()
         logger.info("stopped")
+
+
+def _auto_tool_parser(args: argparse.Namespace) -> str | None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -245,6 +252,16 @@ def main(argv: list[str] | None = None) -> None:
                             "let requests in flight finish for up to this many seconds, then "
                             "abort the rest (finish_reason 'abort') and exit 0; a second "
                             "signal stops at once; 0: stop at once (default: 30)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="chat: let the model decide whether to call the request's tools "
+                            "(tool_choice \"auto\", OpenAI's default when tools are given), "
+                            "its calls parsed by --tool-call-parser; without it, \"auto\" is "
+                            "a 400 (\"required\" and named functions always work)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="how tool calls are read from the model's text with "
+                            "--enable-auto-tool-choice: hermes = <tool_call>{\"name\", "
+                            "\"arguments\"}</tool_call> (Hermes, Qwen2/3, and what templates "
+                            "without tool support are prompted with)")
     serve.add_argument("--headless", action="store_true",
                        help="run only this node's workers (--node-rank >= 1), no HTTP server; "
                             "exits when node 0's engine stops or is gone")

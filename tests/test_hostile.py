@@ -337,10 +337,10 @@ def test_step_that_raises_fails_only_its_requests(default_model: str) -> None:
               max_model_len=128)
     original = model_runner.ModelRunner.execute
 
-    def poisoned(self: Any, plan: Any) -> Any:
+    def poisoned(self: Any, plan: Any, masks: Any = None) -> Any:
         if any(4242 in new.token_ids for new in plan.new_requests):
             raise RuntimeError("a poisoned batch (test)")
-        return original(self, plan)
+        return original(self, plan, masks)
     try:
         model_runner.ModelRunner.execute = poisoned  # type: ignore[method-assign]
         [bad] = llm.generate([[1, 4242, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -368,7 +368,8 @@ _fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
            "logprobs", "top_logprobs", "echo", "best_of", "min_tokens", "ignore_eos",
            "stop_token_ids", "include_stop_str_in_output", "timeout", "user", "tools",
-           "response_format", "suffix", "add_generation_prompt"]
+           "tool_choice", "response_format", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "suffix", "add_generation_prompt"]
 # Values near the valid ones, so that the fuzz also reaches the engine.
 _plausible = {
     "prompt": st.one_of(st.text(min_size=1, max_size=30),
@@ -380,6 +381,17 @@ _plausible = {
     "temperature": _floats(-1, 3), "top_k": st.integers(-2, 60_000),
     "logprobs": st.integers(-1, 25), "stream": st.booleans(),
     "stop": st.lists(st.text(max_size=4), max_size=3),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("x"), "schema": _value})})),
+    "structured_outputs": st.dictionaries(st.sampled_from(
+        ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern"]),
+        st.one_of(st.text(max_size=12), _value), max_size=2),
+    "guided_regex": st.text(max_size=12),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.text(max_size=8)}, optional={"parameters": _value})}), max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), _value),
 }
 _garbage = st.fixed_dictionaries(
     {}, optional={name: (st.one_of(_plausible[name], _value) if name in _plausible else _value)
@@ -403,7 +415,10 @@ _legal = st.fixed_dictionaries({
     "min_tokens": st.integers(0, 1), "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
     "include_stop_str_in_output": st.booleans(), "timeout": _floats(0.05, 30),
-    "logprobs": st.integers(0, 5)})
+    "logprobs": st.integers(0, 5),
+    "structured_outputs": st.sampled_from([{"regex": "[a-z]{1,5}"}, {"choice": ["yes", "no"]},
+                                           {"json_object": True}, {"grammar": 'start: "a"+'},
+                                           {"json": {"type": "integer"}}])})
 _body = st.one_of(_garbage, _legal)
 
 

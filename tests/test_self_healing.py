@@ -31,10 +31,10 @@ if sys.orig_argv[1:3] == ["-m", "kvflow.workers.worker_proc"]:
     _execute = _mr.ModelRunner.execute
     _poison = int(os.environ["KVFLOW_TEST_POISON_TOKEN"])
 
-    def _poisoned(self, plan):
+    def _poisoned(self, plan, masks=None):
         if any(_poison in r.token_ids for r in plan.new_requests):
             os._exit(3)
-        return _execute(self, plan)
+        return _execute(self, plan, masks)
     _mr.ModelRunner.execute = _poisoned
 """
 

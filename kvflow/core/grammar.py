@@ -23,11 +23,15 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
 
 from kvflow.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from kvflow.core.request import Request
 
 logger = logging.getLogger(__name__)
 # Whitespace allowed between JSON tokens unless the request says otherwise: pretty-printing
@@ -39,7 +43,7 @@ CACHE_SIZE = 256        # compiled constraints kept (agents send the same schema
 # llguidance's bounds on one constraint: its size, its lexer's memory (~2 kB a state), and
 # the work of one token's mask (its default fuel, ~15 ms at most). A constraint past them
 # fails with an error naming the limit. No error message echoes the grammar back.
-LIMITS = dict(max_grammar_size=500_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
+LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, max_lexer_states=50_000, step_lexer_fuel=200_000,
               verbose_errors=False)
 
 
@@ -54,7 +58,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object")
-        options: dict = {}
+        options: Any = {}
         if spec.disable_any_whitespace:
             options["whitespace_flexible"] = False
         else:
@@ -177,7 +181,7 @@ class StructuredOutputs:
                  timeout: float) -> None:
         self.compiler = GrammarCompiler(model_path, vocab_size, eos_token_ids, timeout)
         self.timeout = timeout
-        self.compiling: dict[str, tuple[object, Future, float]] = {}   # id -> (request, ...)
+        self.compiling: dict[str, tuple[Request, Future, float]] = {}  # id -> request, ...
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         self._executor: llg.LLExecutor | None = None
@@ -186,9 +190,11 @@ class StructuredOutputs:
     def wakeup_fd(self) -> int:
         return self._read_fd
 
-    def add(self, request) -> None:  # type: ignore[no-untyped-def]
+    def add(self, request: Request) -> None:
         """Start compiling a constrained request's grammar (a `Request`)."""
-        future = self.compiler.submit(request.sampling_params.structured_outputs)
+        spec = request.sampling_params.structured_outputs
+        assert spec is not None, "only constrained requests come here"
+        future = self.compiler.submit(spec)
         future.add_done_callback(self._wake)
         self.compiling[request.request_id] = (request, future, time.monotonic())
 
@@ -198,7 +204,7 @@ class StructuredOutputs:
         except OSError:         # closed, or full: EngineCore is stopping or already woken
             pass
 
-    def collect(self) -> tuple[list, list[tuple[str, str]]]:
+    def collect(self) -> tuple[list[Request], list[tuple[str, str]]]:
         """Requests whose grammar is ready (each with its `grammar` set, and advanced over
         the tokens a resumed request had produced), and (request_id, error) of those that
         failed or passed the timeout."""

@@ -56,8 +56,14 @@ class Tokenizer:
             value = value.get("content")
         return value if isinstance(value, str) else None
 
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the chat template renders `tools` (HF's variable for tool definitions)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use generate()")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -66,7 +72,7 @@ class Tokenizer:
         bos, eos = self.token_text("bos_token") or "", self.token_text("eos_token") or ""
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=bos, eos_token=eos)
+                                   bos_token=bos, eos_token=eos, tools=tools)
         except (TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
             # e.g. a message without 'role', or a content of the wrong type: a bad request
             raise ValueError(f"chat template: {type(e).__name__}: {str(e)[:200]}") from None

@@ -64,6 +64,7 @@ class ServeOptions:
     max_connections: int = 1024
     http_timeout: float = 30.0
     shutdown_timeout: float = 30.0            # drain on SIGTERM for up to this (0: at once)
+    auto_tool_parser: str | None = None       # --tool-call-parser with --enable-auto-tool-choice
 
 
 def default_max_waiting(max_num_seqs: int) -> int:
@@ -82,7 +83,8 @@ def _error(e: ApiError, headers: dict[str, str] | None = None) -> Response:
 def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
     app = FastAPI(title="kvflow", version=kvflow.__version__, openapi_url=None)
     config = engine.processor.config
-    serving = Serving(engine, opts.model_name, opts.max_n or config.scheduler.max_num_seqs)
+    serving = Serving(engine, opts.model_name, opts.max_n or config.scheduler.max_num_seqs,
+                      opts.auto_tool_parser)
     _add_error_handlers(app)
     _add_auth(app, opts.api_key)
     _add_info_routes(app, engine, opts)
@@ -102,10 +104,11 @@ def build_app(engine: AsyncEngine, opts: ServeOptions) -> FastAPI:
     async def chat(request: Request) -> Response:
         req = parse(await read_body(request, opts.max_request_bytes), ChatRequest)
         _check_model(req.model, opts)
-        serving.check_chat(req)
-        job = Job("chat.completion", opts.model_name, top_logprobs=req.top_logprobs)
+        tools = serving.check_chat(req)
+        job = Job("chat.completion", opts.model_name, top_logprobs=req.top_logprobs,
+                  tools=tools)
         with engine.admission(req.n):                                     # 503 at once
-            items = await engine.run_blocking(serving.chat_items, req)    # off the loop
+            items = await engine.run_blocking(serving.chat_items, req, tools)   # off the loop
             await serving.open(job, items, False, req.timeout)
         return await _respond(request, serving, job, req)
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies as msgspec Structs, and their translation into SamplingParams.
 
 Every problem raises `ApiError(400, message, param)` naming the field. Fields that would change
-results and that kvflow does not implement (tools, response formats, guided decoding, ...) are
+results and that kvflow does not implement (functions, prompt logprobs, beam search, ...) are
 refused by name rather than ignored; fields that change nothing (user, metadata, ...) are
 accepted and ignored, as OpenAI and vLLM do.
 """
@@ -15,7 +15,9 @@ import math
 
 import msgspec
 
-from kvflow.sampling_params import MAX_LOGIT_BIAS, SamplingParams, shorten
+from kvflow.frontend.api.tool_calls import ToolError, history_message
+from kvflow.sampling_params import (MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams,
+                                    shorten)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,15 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # kvflow's extension: seconds after which the request is aborted (finish_reason "abort",
     # with what it has); None: no deadline.
     timeout: float | None = None
+    # Structured outputs (structured_constraint): OpenAI's response_format, vLLM's
+    # structured_outputs, and vLLM's older guided_* fields.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -79,6 +90,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -87,26 +100,21 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None               # kvflow/frontend/api/tool_calls.py
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # Fields kvflow does not implement: the values it accepts (those that change nothing).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: not v,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "functions": lambda v: not v,
+    "functions": lambda v: not v,               # OpenAI's deprecated form of tools
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": lambda v: not v,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "allowed_token_ids": lambda v: v is None,
     "bad_words": lambda v: not v,
     "truncate_prompt_tokens": lambda v: v is None,
@@ -123,9 +131,11 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "stream_options": lambda v: not (isinstance(v, dict) and v.get("continuous_usage_stats")),
 }
 _CHAT_ONLY_UNSUPPORTED = {"echo": lambda v: not v}
+_COMPLETION_ONLY_UNSUPPORTED = {"tools": lambda v: not v, "tool_choice": lambda v: v is None}
 # Fields clients send that change nothing here.
-_IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
-            "spaces_between_special_tokens", "echo", "stream_options", "priority"}
+_IGNORED = {"metadata", "store", "service_tier", "reasoning_effort",
+            "spaces_between_special_tokens", "echo", "stream_options", "priority",
+            "guided_decoding_backend"}
 
 
 MAX_MESSAGES = 1024      # chat messages per request
@@ -146,7 +156,8 @@ def parse(body: bytes, kind: type[msgspec.Struct], generation: bool = True) -> A
     if not isinstance(raw, dict):
         raise ApiError(400, "the JSON body must be an object")
     raw = {k: v for k, v in raw.items() if v is not None}    # null is "not given"
-    unsupported = {**_UNSUPPORTED, **(_CHAT_ONLY_UNSUPPORTED if kind is ChatRequest else {})}
+    unsupported = {**_UNSUPPORTED, **(_CHAT_ONLY_UNSUPPORTED if kind is ChatRequest
+                                      else _COMPLETION_ONLY_UNSUPPORTED)}
     if not generation:
         unsupported = {}
     for name, accepted in unsupported.items():
@@ -187,8 +198,9 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
                         "a list of lists of token ids", "prompt")
 
 
-def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
-    """Messages for the chat template: roles checked, text parts joined."""
+def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
+    """Messages for the chat template: roles checked, text parts joined, tool calls and
+    results checked (tool_calls.history_message)."""
     if not request.messages:
         raise ApiError(400, "messages must not be empty", "messages")
     if len(request.messages) > MAX_MESSAGES:
@@ -196,13 +208,14 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
                             f"{MAX_MESSAGES} are allowed", "messages")
     out = []
     for i, m in enumerate(request.messages):
-        if m.role not in ("system", "developer", "user", "assistant"):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role={shorten(m.role)} is not supported (system, "
-                                "developer, user, assistant)", "messages")
-        if m.tool_calls:
-            raise ApiError(400, f"messages[{i}].tool_calls is not supported by kvflow "
-                                "(no tools)", "messages")
-        out.append({"role": m.role, "content": _content(m.content, i)})
+                                "developer, user, assistant, tool)", "messages")
+        try:
+            out.append(history_message(i, m.role, _content(m.content, i), m.tool_calls,
+                                       m.tool_call_id))
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
     return out
 
 
@@ -230,14 +243,65 @@ def check_request_shape(request: _Sampling, max_n: int) -> None:
                             "seconds", "timeout")
 
 
-def choice_params(request: _Sampling, max_tokens: int, logprobs: int | None
-                  ) -> list[SamplingParams]:
+def structured_constraint(request: _Sampling) -> StructuredOutputsParams | None:
+    """The request's constraint, from whichever one field gives it: response_format
+    (OpenAI: text, json_object, json_schema), structured_outputs (vLLM: json, json_object,
+    regex, choice, grammar and the whitespace options) or vLLM's older guided_* fields."""
+    given = [name for name in ("structured_outputs", "guided_json", "guided_regex",
+                               "guided_choice", "guided_grammar")
+             if getattr(request, name) is not None]
+    fmt = request.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise ApiError(400, f"{' and '.join(given)} both constrain the output: send one",
+                       given[1])
+    if not given:
+        return None
+    try:
+        if given[0] == "response_format":
+            return _response_format(fmt)
+        if given[0] == "structured_outputs":
+            raw = request.structured_outputs
+            unknown = sorted(set(raw) - set(StructuredOutputsParams.__struct_fields__)
+                             ) if isinstance(raw, dict) else []
+            if unknown:
+                raise ApiError(400, f"structured_outputs has unknown field(s) "
+                                    f"{shorten(unknown)}", "structured_outputs")
+            return msgspec.convert(raw, StructuredOutputsParams)
+        return StructuredOutputsParams(
+            json=request.guided_json, regex=request.guided_regex,
+            choice=request.guided_choice, grammar=request.guided_grammar,
+            whitespace_pattern=request.guided_whitespace_pattern)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"{given[0]}: {shorten(str(e), 300)}", given[0]) from None
+
+
+def _response_format(fmt: Any) -> StructuredOutputsParams:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema "
+                                "object", "response_format")
+        return StructuredOutputsParams(json=schema)
+    raise ApiError(400, f"response_format={shorten(fmt)}: type must be text, json_object or "
+                        "json_schema", "response_format")
+
+
+def choice_params(request: _Sampling, max_tokens: int, logprobs: int | None,
+                  constraint: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     """The SamplingParams of each of the request's n choices (n is checked already)."""
-    return [sampling_params(request, max_tokens, logprobs, i) for i in range(request.n)]
+    return [sampling_params(request, max_tokens, logprobs, i, constraint)
+            for i in range(request.n)]
 
 
 def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, constraint: StructuredOutputsParams | None = None
+                    ) -> SamplingParams:
     """The SamplingParams of one choice (n > 1 gives each its own seed)."""
     if request.logit_bias is not None and len(request.logit_bias) > MAX_LOGIT_BIAS:
         raise ApiError(400, f"logit_bias has {len(request.logit_bias)} entries; at most "
@@ -258,7 +322,8 @@ def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
             logit_bias=({int(k): v for k, v in request.logit_bias.items()}
                         if request.logit_bias else None),
             min_tokens=request.min_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output)
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=constraint)
     except ValueError as e:
         raise value_error(e) from None
 
@@ -284,6 +349,8 @@ def value_error(e: ValueError) -> ApiError:
         return ApiError(400, message, match.group(1))
     if "logit_bias" in message:
         return ApiError(400, message, "logit_bias")
+    if "structured_outputs" in message:
+        return ApiError(400, message, "structured_outputs")
     if "prompt" in message or "max_model_len" in message:
         return ApiError(400, message, "prompt" if "max_tokens" not in message else "max_tokens")
     return ApiError(400, message)

@@ -15,7 +15,10 @@ import msgspec
 from kvflow.errors import EngineDeadError
 from kvflow.frontend.api.protocol import (ApiError, ChatRequest, CompletionRequest,
                                           chat_messages, check_request_shape, choice_params,
-                                          completion_prompts, value_error)
+                                          completion_prompts, structured_constraint,
+                                          value_error)
+from kvflow.frontend.api.tool_calls import (ToolError, ToolUse, stream_deltas,
+                                            with_tools_in_text)
 from kvflow.frontend.async_engine import AsyncEngine, Delta, RequestStream
 from kvflow.frontend.processor import Prompt
 from kvflow.frontend.tokenizer import Tokenizer
@@ -33,6 +36,8 @@ class Choice:
     echo: str = ""                   # prompt text to put before the output (completions)
     num_text_sent: int = 0           # characters before this chunk (completions' text_offset)
     started: bool = False            # chat: the role was sent
+    tool_deltas: Any = None          # chat with tools, streamed: tool_calls.stream_deltas
+    num_calls: int = 0               # tool calls sent so far
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Job:
     id: str = ""
     created: int = 0
     top_logprobs: int | None = None  # chat: how many alternatives per token
+    tools: ToolUse | None = None     # chat: the request's tools (tool_calls.py)
 
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.kind == "text_completion" else "chatcmpl"
@@ -52,10 +58,12 @@ class Job:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_n: int) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_n: int,
+                 auto_tool_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_n = max_n
+        self.auto_tool_parser = auto_tool_parser   # None: tool_choice "auto" is refused
         self.tokenizer: Tokenizer = engine.processor.tokenizer
         processor = engine.processor
         self.max_context = min(processor.config.model.max_model_len,
@@ -76,27 +84,45 @@ class Serving:
             raise ApiError(400, f"best_of={req.best_of} other than n={req.n} is not supported "
                                 "by kvflow", "best_of")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = choice_params(req, max_tokens, req.logprobs)
+        params = choice_params(req, max_tokens, req.logprobs, structured_constraint(req))
         return [(p, params) for p in completion_prompts(req.prompt)]
 
-    def check_chat(self, req: ChatRequest) -> None:
-        """The cheap checks, on the event loop before any work."""
+    def check_chat(self, req: ChatRequest) -> ToolUse | None:
+        """The cheap checks, on the event loop before any work; the request's tool use."""
         check_request_shape(req, self.max_n)
         chat_messages(req)
+        try:
+            tools = ToolUse.of(req.tools, req.tool_choice, self.auto_tool_parser,
+                               req.parallel_tool_calls is not False)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
+        constraint = structured_constraint(req)
+        if tools is not None and constraint is not None and tools.constraint() is not None:
+            raise ApiError(400, f"tool_choice={tools.mode!r} constrains the output, and so "
+                                "does response_format/structured_outputs: send one", "tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top = req.top_logprobs or 0
         if not 0 <= top <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs={top} must be in [0, {MAX_LOGPROBS}]",
                            "top_logprobs")
+        return tools
 
-    def chat_items(self, req: ChatRequest) -> list[tuple[Prompt, list[SamplingParams]]]:
+    def chat_items(self, req: ChatRequest, tools: ToolUse | None = None
+                   ) -> list[tuple[Prompt, list[SamplingParams]]]:
         """The rendered, tokenized conversation and its choices' params (in the engine's
         pool: a chat template over long messages takes a while)."""
         top = req.top_logprobs or 0
+        messages = chat_messages(req)
+        native = self.tokenizer.reads_tools
+        template_tools = None
+        if tools is not None:
+            messages, template_tools = tools.template_inputs(messages, native)
+        elif not native and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = with_tools_in_text(messages, None)
         try:
-            text = self.tokenizer.apply_chat_template(chat_messages(req),
-                                                      req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt,
+                                                      tools=template_tools)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         prompt = self.engine.processor.encode_prompt(text)
@@ -107,7 +133,9 @@ class Serving:
                                     f"answer in a context of {self.max_context}", "messages")
             max_tokens = self.max_context - len(prompt)
         logprobs = top if req.logprobs else None
-        return [(prompt, choice_params(req, max_tokens, logprobs))]
+        constraint = (tools.constraint() if tools is not None else None) or \
+            structured_constraint(req)
+        return [(prompt, choice_params(req, max_tokens, logprobs, constraint))]
 
     async def open(self, job: Job, items: list[tuple[Prompt, list[SamplingParams]]],
                    echo: bool = False, timeout: float | None = None) -> None:
@@ -154,9 +182,17 @@ class Serving:
                         if out.logprobs is not None else None)
             return {"index": c.index, "text": c.echo + out.text, "logprobs": logprobs,
                     "finish_reason": out.finish_reason}
-        return {"index": c.index, "message": {"role": "assistant", "content": out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        reason = out.finish_reason
+        if job.tools is not None:
+            content, calls = job.tools.calls(out.text)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.to_openai() for call in calls]}
+            reason = job.tools.finish_reason(reason, bool(calls))
+        return {"index": c.index, "message": message,
                 "logprobs": self.chat_logprobs(job, out.token_ids, out.logprobs),
-                "finish_reason": out.finish_reason}
+                "finish_reason": reason}
 
     def usage(self, job: Job) -> dict[str, Any]:
         firsts = {c.prompt_index: c.stream.output for c in reversed(job.choices)}
@@ -191,11 +227,22 @@ class Serving:
                 c, delta.token_ids, delta.logprobs) if delta.logprobs is not None else None))
             choice.update(finish_reason=delta.finish_reason)
         else:
-            message = {"content": delta.text} if c.started else {"role": "assistant",
-                                                                  "content": delta.text}
+            message: dict[str, Any] = {"content": delta.text}
+            reason = delta.finish_reason
+            if job.tools is not None:
+                if c.tool_deltas is None:
+                    c.tool_deltas = stream_deltas(job.tools)
+                content, calls = c.tool_deltas(delta.text, reason is not None)
+                message = {"content": content} if content or not calls else {}
+                if calls:
+                    message["tool_calls"] = calls
+                    c.num_calls += len(calls)
+                reason = job.tools.finish_reason(reason, c.num_calls > 0)
+            if not c.started:
+                message = {"role": "assistant", **message}
             choice.update(delta=message, logprobs=self.chat_logprobs(job, delta.token_ids,
                                                                      delta.logprobs),
-                          finish_reason=delta.finish_reason)
+                          finish_reason=reason)
         c.started = True
         chunk = {"id": job.id, "object": _chunk_kind(job), "created": job.created,
                  "model": job.model, "choices": [choice]}
