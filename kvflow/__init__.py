@@ -5,7 +5,7 @@ from kvflow.errors import EngineDeadError, EngineOverloadedError
 from kvflow.frontend.client import AsyncClient, Client
 from kvflow.frontend.llm import LLM
 from kvflow.frontend.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Client", "AsyncClient", "EngineDeadError",
-           "EngineOverloadedError"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "Client",
+           "AsyncClient", "EngineDeadError", "EngineOverloadedError"]
