@@ -121,7 +121,7 @@ class ModelRunner:
         if bias.shape[1] < vocab:                  # a tokenizer smaller than the model's rows
             bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=-np.inf)
         bias = bias[:, :vocab]
-        bias[torch.from_numpy(~data.any(axis=1))] = 0.0   # nothing allowed: the grammar failed
+        bias[torch.from_numpy(~data.any(axis=1)).to(self.device)] = 0.0   # none allowed: failed
         return replace(sampling, masked_rows=[row_of[i] for i in masked_ids], mask_bias=bias)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
