@@ -172,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         shutdown_timeout=args.shutdown_timeout,
                         auto_tool_parser=_auto_tool_parser(args))
     engine, processor = start_cluster(args)
+    processor.prepare_grammars()          # in the background: structured outputs are common
     try:
         run(serve(engine, processor, opts))
     finally:

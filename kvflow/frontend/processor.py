@@ -22,6 +22,10 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self._grammars: GrammarCompiler | None = None
 
+    def prepare_grammars(self) -> None:
+        """A server expects constrained requests: get the grammar engine ready now."""
+        self.grammars.prepare()
+
     @property
     def grammars(self) -> GrammarCompiler:
         """Checks structured-output constraints (built on first use: it loads llguidance's
