@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,30 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.grammar: {e}") from None
 
 
+class DaemonPool:
+    """Threads that run submitted calls into Futures, as ThreadPoolExecutor does, but as
+    daemons: a compile never delays the exit of EngineCore or the server."""
+
+    def __init__(self, threads: int) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._run, name=f"kvflow-grammar-{i}", daemon=True).start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self.tasks.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:       # noqa: BLE001 (handed to the waiter)
+                    future.set_exception(e)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, each at most once (an LRU of fresh matchers,
     copied for each request), in `threads` background threads."""
@@ -85,7 +110,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.timeout = timeout
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvflow-grammar")
+        self.pool = DaemonPool(threads)
         self._tokenizer: llg.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, llg.LLMatcher | str] = OrderedDict()  # or its error
@@ -275,6 +300,5 @@ class StructuredOutputs:
         return masks.tobytes()
 
     def close(self) -> None:
-        self.compiler.pool.shutdown(wait=False, cancel_futures=True)
         for fd in (self._read_fd, self._write_fd):
             os.close(fd)
