@@ -44,6 +44,19 @@ def bound_address(sock: zmq.Socket) -> str:
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
+def bind_avoiding(ctx: zmq.Context, kind: int, address: str, keys: ClusterKeys | None,
+                  avoid: int | None) -> zmq.Socket:
+    """A socket bound to `address` (a "*" port: any free one) on a port other than `avoid`:
+    the store's port, free until rank 0 binds it a moment later, so the system may offer
+    it to us first."""
+    sock = make_socket(ctx, kind, address, True, keys=keys)
+    if avoid is not None and bound_address(sock).endswith(f":{avoid}"):
+        other = bind_avoiding(ctx, kind, address, keys, avoid)   # while `sock` holds it
+        sock.close(linger=0)
+        return other
+    return sock
+
+
 def free_tcp_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,10 +81,11 @@ class MultiprocExecutor:
         else:                  # tcp on a free port of this node's address: other nodes connect
             plan_address = result_address = self.nodes.any_port
             dist_address = tcp_address(parallel.master_addr, parallel.store_port)
-        self.plans = Channel[ToWorker](make_socket(ctx, zmq.PUB, plan_address, True, keys=keys),
+        avoid = parallel.store_port if self.nodes else None
+        self.plans = Channel[ToWorker](bind_avoiding(ctx, zmq.PUB, plan_address, keys, avoid),
                                        ToWorker)
-        self.results = Channel[FromWorker](make_socket(ctx, zmq.PULL, result_address, True,
-                                                       keys=keys), FromWorker)
+        self.results = Channel[FromWorker](bind_avoiding(ctx, zmq.PULL, result_address, keys,
+                                                         avoid), FromWorker)
         plan_address, result_address = (bound_address(c.sock) for c in (self.plans,
                                                                          self.results))
         control = ["--control-address", self.nodes.address] if self.nodes else []
@@ -236,8 +250,8 @@ class RemoteNodes:
         self.parallel = parallel
         self.ip = host_ip(parallel.master_addr, parallel.store_port)
         self.any_port = tcp_address(self.ip, "*")
-        self.control = Channel[FromNode](make_socket(ctx, zmq.ROUTER, self.any_port, True,
-                                                     keys=keys), FromNode)
+        self.control = Channel[FromNode](bind_avoiding(ctx, zmq.ROUTER, self.any_port, keys,
+                                                       parallel.store_port), FromNode)
         self.address = bound_address(self.control.sock)
         self.last_seen: dict[int, float] = {}       # node rank -> when it last spoke
         self.identities: dict[int, bytes] = {}
