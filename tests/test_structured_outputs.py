@@ -175,7 +175,7 @@ def test_compile_timeout_is_refused(default_model: str) -> None:
     """A constraint that does not compile within --grammar-compile-timeout is refused
     (naming the flag); unconstrained requests run."""
     with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.1, in_process=True,
-             grammar_compile_timeout=1e-4) as llm:
+             grammar_compile_timeout=1e-6) as llm:
         with pytest.raises(ValueError, match="grammar-compile-timeout"):
             llm.generate("x", SamplingParams(structured_outputs=Constraint(json=PERSON)),
                          use_tqdm=False)

@@ -255,15 +255,34 @@ def test_bad_constraints_are_400s_and_the_server_serves_on(server: ServeProcess,
 
 
 def test_compile_timeout_is_a_400(default_model: str) -> None:
+    """A schema of 300 patterned properties takes milliseconds to compile: past a timeout
+    of a microsecond it is a 400 naming the flag."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,9}"}
+                                            for i in range(300)}}
     s = serve_ready("--dtype", "float32", "--served-model-name", "default",
-                    "--grammar-compile-timeout", "0.0001", model=default_model,
+                    "--grammar-compile-timeout", "0.000001", model=default_model,
                     kv_cache_memory_gb=0.1, zmq=False)
     try:
         c = client(s)
         with pytest.raises(openai.BadRequestError, match="grammar-compile-timeout"):
             c.chat.completions.create(model="default", messages=ASK, max_tokens=5,
-                                      response_format={"type": "json_object"})
+                                      response_format={"type": "json_schema", "json_schema": {
+                                          "name": "big", "schema": big}})
         r = c.chat.completions.create(model="default", messages=ASK, max_tokens=3)
         assert len(r.choices[0].message.content or "") > 0
     finally:
         s.cleanup()
+
+
+def test_llm_chat_with_tools_sees_what_the_server_shows(server: ServeProcess,
+                                                        default_model: str) -> None:
+    """LLM.chat(tools=...) renders the tools as the server does: greedy text equals the
+    server's answer with tool_choice "none" (tools shown, nothing parsed)."""
+    from kvflow import LLM, SamplingParams
+    with LLM(default_model, in_process=True, dtype="float32", kv_cache_memory_gb=0.1) as llm:
+        [out] = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False,
+                         tools=TOOLS)
+    r = client(server).chat.completions.create(model="default", messages=ASK, tools=TOOLS,
+                                               tool_choice="none", temperature=0,
+                                               max_tokens=24)
+    assert r.choices[0].message.content == out.text

@@ -66,10 +66,14 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered by the chat template."""
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None
+             ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered by the chat template,
+        with `tools` (OpenAI's tool objects) shown to the model as the server shows them. The
+        answer is text: `kvflow.frontend.api.tool_calls.parse(HermesParser, text)` reads
+        calls from it; to force calls, constrain (SamplingParams.structured_outputs)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.processor.render_chat(c) for c in conversations]  # type: ignore
+        prompts = [self.processor.render_chat(c, tools) for c in conversations]  # type: ignore
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

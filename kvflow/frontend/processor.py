@@ -8,6 +8,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.core.grammar import GrammarCompiler
 from kvflow.core.validation import check_request
+from kvflow.frontend.api.tool_calls import check_tools, with_tools_in_text
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.frontend.tokenizer import Tokenizer
 from kvflow.sampling_params import SamplingParams
@@ -36,7 +37,16 @@ class InputProcessor:
                                              self.config.grammar_compile_timeout, threads=2)
         return self._grammars
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation through the chat template; `tools` (OpenAI's tool objects) as the
+        server shows them (kvflow/frontend/api/tool_calls.py: to a template that reads
+        `tools`, else as a Hermes-style system section)."""
+        checked = check_tools(tools) if tools else None
+        if self.tokenizer.reads_tools:
+            return self.tokenizer.apply_chat_template(messages, tools=checked)
+        if checked or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = with_tools_in_text(messages, checked)
         return self.tokenizer.apply_chat_template(messages)
 
     def make_tracker(self, request_id: str, prompt: Prompt, params: SamplingParams

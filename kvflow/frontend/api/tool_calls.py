@@ -171,7 +171,7 @@ class ToolUse:
             raise ToolError("tool_choice needs tools", "tool_choice")
         if not tools:
             return None
-        checked = _check_tools(tools)
+        checked = check_tools(tools)
         names = [t["function"]["name"] for t in checked]
         if tool_choice is None:
             tool_choice = "auto"                    # OpenAI's default with tools
@@ -278,7 +278,8 @@ def _tools_prompt(tools: list[dict[str, Any]]) -> str:
             '{"name": "the function\'s name", "arguments": {...}}\n</tool_call>')
 
 
-def _check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI's tool objects, checked (ToolError naming the problem) and trimmed."""
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     seen: set[str] = set()
