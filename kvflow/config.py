@@ -76,6 +76,21 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding (kvflow/core/speculative.py): EngineCore proposes up to
+    `num_speculative_tokens` drafts per request, the target model verifies them in one step."""
+    method: str                        # "ngram": prompt lookup
+    num_speculative_tokens: int
+    prompt_lookup_min: int             # n-gram sizes tried, longest first
+    prompt_lookup_max: int
+    # No drafts in a step with more running requests than this (the batch is compute-bound
+    # there, and rejected drafts cost throughput); 0: never off.
+    disable_by_batch_size: int = 0
+    # A request whose recent drafts are accepted less often than this stops drafting for a
+    # while (its drafts cost more than they bring).
+    min_acceptance_rate: float = 0.2
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig
     cache: CacheConfig
@@ -96,6 +111,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Structured outputs (kvflow/core/grammar.py): a constraint not compiled within this many
     # seconds is refused (a 400), so no request waits on a pathological grammar.
     grammar_compile_timeout: float = 10.0
+    speculative: SpeculativeConfig | None = None     # None: no speculative decoding
 
 
 def cache_dir() -> str:
@@ -183,16 +199,26 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_engine_restarts: int = 3          # restarts within 10 minutes before giving up
     cluster_secret_file: str | None = None  # several nodes: the shared secret (or the env var)
     grammar_compile_timeout: float = 10.0  # structured outputs: seconds to compile one
+    # Speculative decoding, vLLM's names (LLM(..., speculative_config={"method": "ngram",
+    # "num_speculative_tokens": 4, ...}) sets these too): method None is off.
+    speculative_method: str | None = None          # "ngram"
+    num_speculative_tokens: int | None = None      # None: 4
+    prompt_lookup_min: int | None = None           # None: prompt_lookup_max if set, else 2
+    prompt_lookup_max: int | None = None           # None: prompt_lookup_min if set, else 5
+    speculative_disable_by_batch_size: int | None = None   # None: 8 (0: never off)
 
 
 def make_engine_config(model_path: str, options: EngineOptions | None = None,
                        **overrides: object) -> EngineConfig:
     """Validate every user value and decide every "auto"; raises ValueError naming the field."""
+    if "speculative_config" in overrides:       # vLLM's shape: LLM(..., speculative_config={})
+        overrides.update(speculative_options(overrides.pop("speculative_config")))  # type: ignore[arg-type]
     try:
         o = msgspec.structs.replace(options or EngineOptions(), **overrides)
     except TypeError as e:                         # an option that does not exist: say which
         raise TypeError(f"{e}; the engine options are "
                         f"{', '.join(EngineOptions.__struct_fields__)}") from None
+    speculative = _speculative_config(o)
     hf = read_hf_config(model_path)
     if o.load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format={o.load_format!r} must be 'safetensors' or 'dummy'")
@@ -247,7 +273,61 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
         step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
-        grammar_compile_timeout=float(o.grammar_compile_timeout))
+        grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's speculative_config keys -> EngineOptions fields.
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method",
+                           "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_min": "prompt_lookup_min",
+                           "prompt_lookup_max": "prompt_lookup_max",
+                           "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def speculative_options(speculative_config: dict | None) -> dict:
+    """vLLM's `speculative_config` dict as EngineOptions fields; unknown keys are refused."""
+    if speculative_config is None:
+        return {}
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config={speculative_config!r} must be a dict such as "
+                         "{'method': 'ngram', 'num_speculative_tokens': 4}")
+    unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; the keys are "
+                         f"{sorted(SPECULATIVE_CONFIG_KEYS)}")
+    return {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in speculative_config.items()}
+
+
+def _speculative_config(o: EngineOptions) -> SpeculativeConfig | None:
+    set_fields = {name: getattr(o, name) for name in SPECULATIVE_CONFIG_KEYS.values()
+                  if name != "speculative_method" and getattr(o, name) is not None}
+    if o.speculative_method is None:
+        if set_fields:
+            raise ValueError(f"{', '.join(set_fields)} set without speculative_method "
+                             f"(one of {SPECULATIVE_METHODS})")
+        return None
+    if o.speculative_method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method={o.speculative_method!r} must be one of "
+                         f"{SPECULATIVE_METHODS} (a draft model is not supported yet)")
+    k = 4 if o.num_speculative_tokens is None else o.num_speculative_tokens
+    low, high = o.prompt_lookup_min, o.prompt_lookup_max
+    low, high = (low if low is not None else (high if high is not None else 2),
+                 high if high is not None else (low if low is not None else 5))
+    _check_positive(num_speculative_tokens=k, prompt_lookup_min=low, prompt_lookup_max=high)
+    if k > 16:
+        raise ValueError(f"num_speculative_tokens={k} must be <= 16")
+    if high > 64:
+        raise ValueError(f"prompt_lookup_max={high} must be <= 64")
+    if low > high:
+        raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
+    off = o.speculative_disable_by_batch_size
+    off = 8 if off is None else off
+    if not isinstance(off, int) or off < 0:
+        raise ValueError(f"speculative_disable_by_batch_size={off!r} must be >= 0 (0: never)")
+    return SpeculativeConfig(method=o.speculative_method, num_speculative_tokens=k,
+                             prompt_lookup_min=low, prompt_lookup_max=high,
+                             disable_by_batch_size=off)
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

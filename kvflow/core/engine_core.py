@@ -14,6 +14,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.block_manager import BlockManager
 from kvflow.core.grammar import StructuredOutputs
 from kvflow.core.request import Request
+from kvflow.core.speculative import Speculator
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.validation import check_request
 from kvflow.ipc.messages import (INTERNAL_ERROR, EngineOutputs, EngineRequest, EngineStats,
@@ -58,9 +59,12 @@ class EngineCore:
         cache = config.cache
         self.block_manager = BlockManager(executor.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)
+        speculator = (Speculator(config.speculative, config.model.max_model_len)
+                      if config.speculative is not None else None)
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens,
-                                   config.model.max_model_len, config.model.eos_token_ids)
+                                   config.model.max_model_len, config.model.eos_token_ids,
+                                   speculator)
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
         self.times = CoreTimes()
         self.num_received = 0

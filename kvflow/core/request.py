@@ -9,6 +9,7 @@ from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.core.grammar import Grammar
+    from kvflow.core.speculative import _RequestSpec
 
 
 class Status(enum.Enum):
@@ -45,6 +46,8 @@ class Request:
         # Structured outputs: the matcher of its constraint (kvflow/core/grammar.py), set
         # once compiled; the scheduler advances it with each token.
         self.grammar: Grammar | None = None
+        # Speculative decoding: its n-gram index and acceptance (kvflow/core/speculative.py).
+        self.spec: _RequestSpec | None = None
         # What the worker already knows of this request (plans are diffs against it).
         self.on_worker = False
         self.num_tokens_sent = 0

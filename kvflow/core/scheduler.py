@@ -8,6 +8,11 @@ There are no prefill and decode phases: each request's `num_computed_tokens` cha
 `num_tokens`; chunked prefill is a request given fewer tokens than it lacks, decode is a request
 one token behind. When a running request cannot get a block, the most recently admitted running
 request is preempted (blocks freed, recomputed later) and goes to the front of the queue.
+
+Speculative decoding (kvflow/core/speculative.py): a decode may also carry draft tokens, which
+take budget and KV slots like any token; `update` keeps the accepted ones. Rejected drafts
+leave nothing behind: `token_ids` and `num_computed_tokens` only ever count accepted tokens,
+so no block hash covers a rejected one, and their KV slots are written again later.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from collections import deque
 
 from kvflow.core.block_manager import BlockManager
 from kvflow.core.request import Request, Status
+from kvflow.core.speculative import Speculator
 from kvflow.ipc.messages import (ContinuingRequestData, EngineStats, FinishReason,
                                  NewRequestData, RequestDelta, StepPlan, StepResult)
 
@@ -23,7 +29,8 @@ from kvflow.ipc.messages import (ContinuingRequestData, EngineStats, FinishReaso
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 speculator: Speculator | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -34,6 +41,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.forget_ids: list[str] = []       # for the workers, with the next plan
         self.num_preemptions = 0
+        self.speculator = speculator
+        self.drafts: dict[str, list[int]] = {}    # this step's, by request id
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
@@ -57,10 +66,17 @@ class Scheduler:
 
     def _schedule_running(self, batch: list[tuple[Request, int]], budget: int) -> tuple[int, bool]:
         preempted = False
+        speculate = self.speculator is not None and self.speculator.enabled(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if speculate and num_new == 1 and self._draft(request, budget):
+                num_new = 1 + len(self.drafts[request.request_id])
+                batch.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running.pop()           # the most recently admitted
                 self._preempt(victim)
@@ -72,6 +88,16 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget, preempted
+
+    def _draft(self, request: Request, budget: int) -> bool:
+        """Give a decoding request its drafts, if it has any and their blocks fit (else it
+        decodes one token as usual)."""
+        assert self.speculator is not None
+        drafts = self.speculator.propose(request, budget - 1)
+        if not drafts or not self.block_manager.allocate(request, 1 + len(drafts)):
+            return False
+        self.drafts[request.request_id] = drafts
+        return True
 
     def _schedule_waiting(self, batch: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -115,12 +141,13 @@ class Scheduler:
             else:
                 cached.append(ContinuingRequestData(
                     request.request_id, request.token_ids[request.num_tokens_sent:],
-                    request.block_ids[request.num_blocks_sent:]))
+                    request.block_ids[request.num_blocks_sent:], request.num_computed_tokens))
             request.num_tokens_sent = request.num_tokens
             request.num_blocks_sent = len(request.block_ids)
         plan = StepPlan(new, cached, [r.request_id for r, _ in batch], [n for _, n in batch],
-                        self.forget_ids)
+                        self.forget_ids, spec_token_ids=self.drafts)
         self.forget_ids = []
+        self.drafts = {}
         return plan
 
     # --- update ----------------------------------------------------------------------------
@@ -128,23 +155,41 @@ class Scheduler:
     def update(self, plan: StepPlan, batch: list[Request],
                result: StepResult) -> list[RequestDelta]:
         """Advance the batch by what was computed, append sampled tokens, finish requests."""
-        sampled = dict(zip(result.request_ids, range(len(result.request_ids))))
+        counts = result.num_sampled or [1] * len(result.request_ids)
+        sampled, at = {}, 0
+        for request_id, count in zip(result.request_ids, counts):
+            sampled[request_id] = (at, count)
+            at += count
         deltas = []
         for request, num_new in zip(batch, plan.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_computed_blocks(request)
-            i = sampled.get(request.request_id)
-            if i is None:                    # a prefill chunk that did not reach the end yet
+            where = sampled.get(request.request_id)
+            if where is None:                # a prefill chunk that did not reach the end yet
+                request.num_computed_tokens += num_new
+                self.block_manager.cache_computed_blocks(request)
                 continue
-            token_id = result.sampled_token_ids[i]
-            request.token_ids.append(token_id)
-            self._check_stop(request, token_id)
-            logprobs = [result.logprobs[i]] if result.logprobs is not None else None
-            deltas.append(RequestDelta(request.request_id, [token_id], request.finish_reason,
-                                       logprobs if request.sampling_params.logprobs is not None
-                                       else None, request.num_cached_tokens,
+            at, count = where
+            drafts = plan.spec_token_ids.get(request.request_id, ())
+            if drafts:
+                assert self.speculator is not None and 1 <= count <= len(drafts) + 1
+                self.speculator.record(request, len(drafts), count - 1)
+            # Accepted drafts have KV now; rejected ones' slots are simply written again.
+            request.num_computed_tokens += num_new - (len(drafts) - (count - 1))
+            new_ids = []
+            for token_id in result.sampled_token_ids[at:at + count]:
+                request.token_ids.append(token_id)
+                new_ids.append(token_id)
+                self._check_stop(request, token_id)
+                if request.finish_reason is not None:     # never emit past a stop
+                    break
+            self.block_manager.cache_computed_blocks(request)
+            logprobs = (result.logprobs[at:at + len(new_ids)]
+                        if result.logprobs is not None
+                        and request.sampling_params.logprobs is not None else None)
+            deltas.append(RequestDelta(request.request_id, new_ids, request.finish_reason,
+                                       logprobs, request.num_cached_tokens,
                                        queue_seconds=(request.queue_seconds
-                                                      if request.num_output_tokens == 1 else 0.0),
+                                                      if request.num_output_tokens
+                                                      == len(new_ids) else 0.0),
                                        error=request.grammar.error if request.grammar else None))
             if request.finish_reason is not None:
                 self._finish(request)
@@ -217,4 +262,5 @@ class Scheduler:
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             kv_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
             prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            **(self.speculator.stats() if self.speculator is not None else {}))

@@ -73,6 +73,12 @@ class EngineStats(_Hot):
     prefix_cache_hits: int = 0       # of those, tokens served from it
     num_preemptions: int = 0
     num_received: int = 0            # EngineRequests taken in so far (the frontend's back-pressure)
+    # Speculative decoding, totals since start: verifications, draft tokens, accepted ones,
+    # and accepted drafts by their position in the draft.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineOutputs(_Hot, tag=True):
@@ -97,6 +103,9 @@ class ContinuingRequestData(_Hot):
     request_id: str
     new_token_ids: list[int]         # tokens sampled since the last step
     new_block_ids: list[int]
+    # Tokens with KV in the cache: the worker's own count may be ahead by the drafts the
+    # last step rejected (speculative decoding), which only EngineCore knows on every rank.
+    num_computed_tokens: int = 0
 
 
 class StepPlan(_Hot, tag=True):
@@ -110,6 +119,9 @@ class StepPlan(_Hot, tag=True):
     # Structured outputs: the requests sampling this step under a constraint, in batch
     # order; their token bitmasks follow in a StepMasks, sent while the forward runs.
     masked_ids: list[str] = []
+    # Speculative decoding (kvflow/core/speculative.py): draft tokens per request, verified
+    # after its last token; such a request's num_scheduled_tokens counts them.
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class StepMasks(_Hot, tag=True):
@@ -119,12 +131,15 @@ class StepMasks(_Hot, tag=True):
 
 
 class StepResult(_Hot, tag=True):
-    """From rank 0: one sampled token per request that reached the end of its tokens."""
+    """From rank 0: the tokens of each request that reached the end of its tokens: one, or
+    with drafts (speculative decoding) the accepted ones plus one, `num_sampled[i]` of them
+    for request i (empty: one each); sampled_token_ids and logprobs hold them all in order."""
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     worker_seconds: float = 0.0      # time inside the worker, to measure IPC overhead
     error: str | None = None         # the step raised (its traceback): nothing was sampled
+    num_sampled: list[int] = []
 
 
 # --- control messages ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvflow.core.speculative import accept
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.workers.attention import AttentionBackend, AttentionMetadata, SeqSpan, to_device
@@ -34,9 +35,11 @@ class StepInputs:
     input_ids: torch.Tensor        # [num_tokens]
     positions: torch.Tensor        # [num_tokens]
     meta: AttentionMetadata
-    logits_rows: torch.Tensor      # [num_sampled] packed row of each sampling request's last token
+    logits_rows: torch.Tensor      # [num_rows] packed rows whose logits are sampled
     sampled_request_ids: list[str]
-    sampling: SamplingBatch
+    sampling: SamplingBatch        # one row per logits row
+    # Per sampled request: its drafts (speculative decoding; their rows follow its first).
+    drafts: list[list[int]]
     graph_batch: int = 0           # > 0: replay the decode CUDA graph of this (padded) batch
 
 
@@ -75,6 +78,7 @@ class ModelRunner:
             state = self.requests[continuing.request_id]
             state.token_ids.extend(continuing.new_token_ids)
             state.block_ids.extend(continuing.new_block_ids)
+            state.num_computed_tokens = continuing.num_computed_tokens
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None) -> StepResult:
@@ -94,22 +98,45 @@ class ModelRunner:
             sampling = inputs.sampling
             if plan.masked_ids:
                 assert masks is not None, "a plan with masked_ids needs its masks"
-                sampling = self._with_masks(sampling, inputs.sampled_request_ids,
-                                            plan.masked_ids, masks(), logits.shape[-1])
+                sampling = self._with_masks(sampling, inputs, plan.masked_ids, masks(),
+                                            logits.shape[-1])
             ids, logprobs = self.sampler(logits, sampling)
             result = StepResult(inputs.sampled_request_ids, ids, logprobs)
+            if plan.spec_token_ids:
+                result = self._accept(result, inputs.drafts)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
         self.times.forward += t2 - t1
         self.times.sample += t3 - t2
         return result
 
-    def _with_masks(self, sampling: SamplingBatch, sampled_ids: list[str], masked_ids: list[str],
+    @staticmethod
+    def _accept(result: StepResult, drafts: list[list[int]]) -> StepResult:
+        """Speculative decoding: each request's rows hold the samples after its last token
+        and after each draft; keep the accepted prefix plus one (speculative.accept)."""
+        ids, logprobs, counts = [], [] if result.logprobs is not None else None, []
+        row = 0
+        for request_drafts in drafts:
+            rows = len(request_drafts) + 1
+            kept = accept(request_drafts, result.sampled_token_ids[row:row + rows])
+            ids.extend(kept)
+            if logprobs is not None:
+                assert result.logprobs is not None
+                logprobs.extend(result.logprobs[row:row + len(kept)])
+            counts.append(len(kept))
+            row += rows
+        return StepResult(result.request_ids, ids, logprobs, num_sampled=counts)
+
+    def _with_masks(self, sampling: SamplingBatch, inputs: StepInputs, masked_ids: list[str],
                     bitmask: bytes, vocab: int) -> SamplingBatch:
         """The batch with the constrained rows' mask bias ([rows, vocab], 0 where allowed,
         -inf elsewhere), expanded from the bitmask a byte at a time by a table lookup (a
-        bool masked_fill of the same rows costs ~10x more on CPU)."""
-        row_of = {request_id: i for i, request_id in enumerate(sampled_ids)}
+        bool masked_fill of the same rows costs ~10x more on CPU). Constrained requests
+        never draft: one row each."""
+        row_of, row = {}, 0
+        for request_id, drafts in zip(inputs.sampled_request_ids, inputs.drafts):
+            row_of[request_id] = row
+            row += 1 + len(drafts)
         data = np.frombuffer(bitmask, dtype=np.uint8).reshape(len(masked_ids), -1)
         if self._byte_bias is None:       # byte value -> its 8 tokens' bias
             bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
@@ -147,24 +174,33 @@ class ModelRunner:
         prefills: list[SeqSpan] = []
         logits_rows, sampled_request_ids, params, out_pos = [], [], [], []
         token_ids: list[list[int]] = []    # references, for the sampler's penalties
+        all_drafts: list[list[int]] = []
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
             state = self.requests[request_id]
+            drafts = plan.spec_token_ids.get(request_id, []) if plan.spec_token_ids else []
             start = state.num_computed_tokens
             end = start + n
             pos = np.arange(start, end)
             blocks = np.asarray(state.block_ids, dtype=np.int64)
-            input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+            input_ids.append(np.asarray(state.token_ids[start:end - len(drafts)] + drafts,
+                                        dtype=np.int64))
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             (decodes if n == 1 else prefills).append(SeqSpan(row, n, end, blocks))
-            state.num_computed_tokens = end
-            if end == len(state.token_ids):            # reached the end: sample a token
-                logits_rows.append(row + n - 1)
+            state.num_computed_tokens = end     # the next plan says how many were accepted
+            if end - len(drafts) == len(state.token_ids):   # reached the end: sample
                 sampled_request_ids.append(request_id)
-                params.append(state.sampling_params)
-                out_pos.append(end - state.num_prompt_tokens)
-                token_ids.append(state.token_ids)
+                all_drafts.append(drafts)
+                first = end - len(drafts)       # the position after each known/draft token
+                for j in range(len(drafts) + 1):
+                    logits_rows.append(row + n - 1 - len(drafts) + j)
+                    params.append(state.sampling_params)
+                    out_pos.append(first + j - state.num_prompt_tokens)
+                    # Penalties at a draft's row see the drafts before it (a copy, only then).
+                    token_ids.append(state.token_ids + drafts[:j]
+                                     if j and state.sampling_params.processes_logits
+                                     else state.token_ids)
             row += n
         sampling = SamplingBatch(params, out_pos, token_ids)
         rows = self._tensor(np.asarray(logits_rows, dtype=np.int64))
@@ -172,10 +208,11 @@ class ModelRunner:
         if self.graphs is not None and not prefills and self.graphs.fits(decodes):
             batch = self.graphs.load(ids, pos, slot_mapping, decodes)
             return StepInputs(self.graphs.input_ids[:batch], self.graphs.positions[:batch],
-                              self.graphs.metadata[batch], rows, sampled_request_ids, sampling, batch)
+                              self.graphs.metadata[batch], rows, sampled_request_ids, sampling,
+                              all_drafts, batch)
         meta = self.backend.build_metadata(slot_mapping, decodes, prefills)
         return StepInputs(self._tensor(ids), self._tensor(pos), meta, rows, sampled_request_ids,
-                          sampling)
+                          sampling, all_drafts)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
