@@ -96,6 +96,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="structured outputs: seconds to compile a request's constraint "
                              "(JSON schema, regex, choice, grammar); a slower one is refused "
                              "with a 400 naming it")
+    spec = parser.add_argument_group(
+        "speculative decoding", "several tokens per step for a few users, exactly the tokens "
+        "the model gives without it (docs/design.md, 'Speculative decoding')")
+    spec.add_argument("--speculative-method", default=None, choices=["ngram"],
+                      help="ngram: prompt lookup, drafts copied from what followed the "
+                           "request's last tokens earlier in its prompt or output (default: "
+                           "off)")
+    spec.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                      help="drafts per request per step, at most 16 (default: 4)")
+    spec.add_argument("--prompt-lookup-min", type=positive_int, default=None,
+                      help="ngram: the shortest suffix looked up (default: --prompt-lookup-max "
+                           "if given, else 2)")
+    spec.add_argument("--prompt-lookup-max", type=positive_int, default=None,
+                      help="ngram: the longest suffix looked up, tried first (default: "
+                           "--prompt-lookup-min if given, else 5)")
+    spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                      help="no drafts in a step with more running requests than this "
+                           "(default: 8; 0: never off)")
     parser.add_argument("--cluster-secret-file", default=None,
                         help="several nodes: a file holding the secret every node shares "
                              "(default: $KVFLOW_CLUSTER_SECRET); it authenticates and encrypts "

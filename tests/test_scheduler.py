@@ -4,7 +4,10 @@ The fake executor plays the workers: it rebuilds each request's state from the p
 alone, keeps a fake KV cache (the token id stored in every slot) and checks, before each step,
 that every token already computed reads back from the request's block table. A wrong prefix
 hit, a block handed to two requests or a lost diff therefore fails loudly. Its "model" samples
-a deterministic token from the request's tokens so far.
+a deterministic token from the request's tokens so far. It also verifies draft tokens
+(speculative decoding) as the real worker does: it writes their KV, samples every position,
+keeps the agreeing prefix plus one, and checks that the next plan's num_computed_tokens
+rolled the rejected ones back.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from kvflow.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfi
                            SchedulerConfig)
 from kvflow.core.engine_core import EngineCore
 from kvflow.core.request import Request
+from kvflow.core.speculative import accept
 from kvflow.ipc.messages import EngineOutputs, EngineRequest, StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
 
@@ -75,17 +79,27 @@ class FakeExecutor:
         assert len(plan.scheduled_ids) <= self.max_num_seqs, plan
         assert len(set(plan.scheduled_ids)) == len(plan.scheduled_ids), plan
         self._apply_diff(plan)
-        sampled_ids, sampled = [], []
+        sampled_ids, sampled, counts = [], [], []
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
             state = self.requests[request_id]
-            assert n >= 1 and state.num_computed_tokens + n <= len(state.token_ids), (state, n)
+            drafts = plan.spec_token_ids.get(request_id, [])
+            assert not drafts or state.num_computed_tokens + 1 == len(state.token_ids), state
+            assert n >= 1 and state.num_computed_tokens + n - len(drafts) <= len(
+                state.token_ids), (state, n)
             self._read_kv(state)
-            self._write_kv(state, n)
-            if state.num_computed_tokens == len(state.token_ids):
+            self._write_kv(state, n, drafts)
+            if state.num_computed_tokens - len(drafts) == len(state.token_ids):
                 num_output = len(state.token_ids) - state.num_prompt_tokens
+                samples = [self.token_fn(request_id, state.token_ids + drafts[:j],
+                                         num_output + j) for j in range(len(drafts) + 1)]
+                kept = accept(drafts, samples)
+                state.num_computed_tokens -= len(drafts) - (len(kept) - 1)   # roll back
                 sampled_ids.append(request_id)
-                sampled.append(self.token_fn(request_id, state.token_ids, num_output))
-        return StepResult(sampled_ids, sampled)
+                sampled.extend(kept)
+                counts.append(len(kept))
+        if len(sampled) == len(sampled_ids):
+            counts = []
+        return StepResult(sampled_ids, sampled, num_sampled=counts)
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for request_id in plan.forget_ids:             # forgotten before the step runs
@@ -99,6 +113,7 @@ class FakeExecutor:
             state = self.requests[cached.request_id]
             state.token_ids += cached.new_token_ids
             state.block_ids += cached.new_block_ids
+            assert cached.num_computed_tokens == state.num_computed_tokens, (cached, state)
         sent = ([r.request_id for r in plan.new_requests]
                 + [r.request_id for r in plan.continuing_requests])
         assert sorted(sent) == sorted(plan.scheduled_ids), (sent, plan.scheduled_ids)
@@ -111,10 +126,11 @@ class FakeExecutor:
             block_id, offset = self._slot(state, pos)
             assert self.kv[block_id][offset] == state.token_ids[pos], (state, pos)
 
-    def _write_kv(self, state: WorkerRequest, n: int) -> None:
+    def _write_kv(self, state: WorkerRequest, n: int, drafts: list[int]) -> None:
+        tokens = state.token_ids + drafts
         for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
             block_id, offset = self._slot(state, pos)
-            self.kv[block_id][offset] = state.token_ids[pos]
+            self.kv[block_id][offset] = tokens[pos]
         state.num_computed_tokens += n
 
 

@@ -46,6 +46,18 @@ class Metrics:
         self.prefix_hits = counter("prefix_cache_hits",
                                    "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        # Speculative decoding (vLLM's names): verifications, drafts, accepted drafts, and
+        # accepted drafts by their position in the draft (acceptance per position).
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Speculative verifications (one per drafting request and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted by the target model.")
+        self.spec_per_pos = Counter("kvflow:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by position in the draft.",
+                                    ["model_name", "position"], registry=self.registry)
+        self.model_name = model_name
         self.running = gauge("num_requests_running", "Requests running in the engine.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for the engine.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV cache blocks in use (0..1).")
@@ -84,6 +96,17 @@ class Metrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.spec_drafts.inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
+        self.spec_draft_tokens.inc(max(0, stats.spec_num_draft_tokens
+                                       - last.spec_num_draft_tokens))
+        self.spec_accepted.inc(max(0, stats.spec_num_accepted_tokens
+                                   - last.spec_num_accepted_tokens))
+        before = last.spec_accepted_per_pos
+        for pos, total in enumerate(stats.spec_accepted_per_pos):
+            grown = total - (before[pos] if pos < len(before) else 0)
+            if grown > 0:
+                self.spec_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(
+                    grown)
         self.last = stats
 
     def record_first_token(self, num_prompt_tokens: int, ttft: float,

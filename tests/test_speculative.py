@@ -1,0 +1,255 @@
+"""Speculative decoding (kvflow/core/speculative.py): the proposer against a brute-force
+lookup, the acceptance rule against a direct rejection sampler, exact scheduler counts with the
+fake workers of test_scheduler.py (which check every KV slot read back and every rollback),
+then the real default model: the same tokens with and without speculation."""
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+
+from kvflow.config import SpeculativeConfig, make_engine_config
+from kvflow.core.engine_core import EngineCore
+from kvflow.core.request import Request
+from kvflow.core.speculative import PAUSE_TOKENS, Speculator, _NgramIndex, accept
+from kvflow.sampling_params import SamplingParams
+from kvflow.workers.sampler import Sampler, SamplingBatch
+from test_scheduler import (EOS, FakeExecutor, TokenFn, assert_all_released, content_token,
+                            make_config, prompt, run_all, schedule_of, submit)
+
+
+def spec_config(k: int = 3, low: int = 1, high: int = 3, off: int = 0) -> SpeculativeConfig:
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=low,
+                             prompt_lookup_max=high, disable_by_batch_size=off)
+
+
+# --- the proposer ------------------------------------------------------------------------
+
+def brute_force_lookup(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    """The longest suffix (high..low) that occurred before; the latest such occurrence."""
+    end = len(tokens)
+    for n in range(high, low - 1, -1):
+        if end <= n:
+            continue
+        suffix = tokens[end - n:]
+        for e in range(end - 1, n - 1, -1):          # e: the index after the occurrence
+            if tokens[e - n:e] == suffix:
+                return tokens[e:e + k]
+    return []
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_longest_match() -> None:
+    index = _NgramIndex(1, 3)
+    assert index.propose([1, 2, 3, 4, 1, 2, 3, 5, 6, 1, 2, 3], 4) == [5, 6, 1, 2]
+    assert _NgramIndex(1, 3).propose([7, 8, 9], 4) == []             # nothing repeats
+    assert _NgramIndex(2, 2).propose([1, 2, 9, 3, 2], 3) == []       # only a 1-gram repeats
+    assert _NgramIndex(1, 1).propose([1, 2, 9, 3, 2], 3) == [9, 3, 2]
+
+
+@pytest.mark.parametrize("low,high", [(1, 1), (1, 3), (2, 5)])
+def test_incremental_index_equals_brute_force(low: int, high: int) -> None:
+    rng = random.Random(low * 10 + high)
+    for _ in range(30):
+        index = _NgramIndex(low, high)
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+        while len(tokens) < 120:
+            k = rng.randrange(1, 6)
+            assert index.propose(tokens, k) == brute_force_lookup(tokens, k, low, high), tokens
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+# --- the acceptance rule -----------------------------------------------------------------
+
+def direct_rejection_probabilities(p: list[torch.Tensor], drafts: list[int]
+                                   ) -> dict[tuple[int, ...], float]:
+    """The textbook rule with a one-hot proposal q: accept draft x with min(1, p(x)/q(x)),
+    on rejection draw from max(p - q, 0) renormalised, a bonus draw when all are accepted.
+    Returns the exact probability of every emitted sequence."""
+    out: dict[tuple[int, ...], float] = {}
+    reach = 1.0                                   # probability of accepting drafts[:j]
+    for j, d in enumerate(drafts):
+        q = torch.zeros_like(p[j])
+        q[d] = 1.0
+        accept_p = float(torch.clamp(p[j][d] / q[d], max=1.0))
+        residual = torch.clamp(p[j] - q, min=0.0)
+        residual = residual / residual.sum()
+        for y in range(len(p[j])):
+            if residual[y] > 0:
+                out[tuple(drafts[:j]) + (y,)] = reach * (1 - accept_p) * float(residual[y])
+        reach *= accept_p
+    for y in range(len(p[-1])):
+        out[tuple(drafts) + (y,)] = reach * float(p[-1][y])
+    return out
+
+
+def test_sampler_plus_accept_is_rejection_sampling() -> None:
+    """Samples of the engine's sampler at every draft position, cut by `accept`, have the
+    distribution of the direct rule (chi-square over all emitted sequences)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    torch.manual_seed(0)
+    vocab, drafts, trials = 5, [1, 3], 20000
+    logits = torch.randn(len(drafts) + 1, vocab) * 1.5
+    p = list(logits.softmax(-1))
+    rows = logits.repeat(trials, 1)
+    params = [SamplingParams(temperature=1.0)] * len(rows)
+    ids, _ = Sampler(1)(rows, SamplingBatch(params, [0] * len(rows)))
+    seen = Counter(tuple(accept(drafts, ids[i:i + 3])) for i in range(0, len(ids), 3))
+    expected = direct_rejection_probabilities(p, drafts)
+    assert set(seen) <= set(expected)
+    keys = sorted(expected)
+    observed = [seen.get(key, 0) for key in keys]
+    exp = [expected[key] * trials for key in keys]
+    assert abs(sum(expected.values()) - 1) < 1e-6
+    # Pool rare sequences so every cell expects >= 5 (chi-square's condition).
+    pooled_obs, pooled_exp, o_acc, e_acc = [], [], 0, 0.0
+    for o, e in sorted(zip(observed, exp), key=lambda t: t[1]):
+        o_acc, e_acc = o_acc + o, e_acc + e
+        if e_acc >= 5:
+            pooled_obs.append(o_acc)
+            pooled_exp.append(e_acc)
+            o_acc, e_acc = 0, 0.0
+    pooled_obs[-1] += o_acc
+    pooled_exp[-1] += e_acc
+    pooled_exp = [e * trials / sum(pooled_exp) for e in pooled_exp]   # sums equal exactly
+    assert scipy_stats.chisquare(pooled_obs, pooled_exp).pvalue > 1e-3
+
+
+def test_accept_keeps_the_agreeing_prefix_plus_one() -> None:
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]      # all accepted, plus a bonus
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]            # the first mismatch ends it
+    assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accept([], [3]) == [3]
+
+
+# --- the scheduler, exactly, with the fake workers ---------------------------------------
+
+def make_spec_core(num_blocks: int, token_fn: TokenFn, spec: SpeculativeConfig | None,
+                   **config: int | bool) -> tuple[EngineCore, FakeExecutor]:
+    cfg = msgspec.structs.replace(make_config(**config), speculative=spec)  # type: ignore[arg-type]
+    executor = FakeExecutor(num_blocks, cfg, token_fn)
+    return EngineCore(cfg, executor), executor
+
+
+def cycle_token(period: list[int], every: int = 0) -> TokenFn:
+    """Outputs repeat the prompt's cycle (lookup hits), but every `every`-th output token
+    is off the cycle (a rejected draft)."""
+    def token_fn(request_id: str, token_ids: list[int], num_output: int) -> int:
+        if every and num_output % every == every - 1:
+            return 900 + num_output % 7
+        return period[len(token_ids) % len(period)]
+    return token_fn
+
+
+def test_drafts_take_budget_and_blocks_and_give_the_same_tokens() -> None:
+    period = [10, 11, 12, 13, 14]
+    fn = cycle_token(period)
+    outs = []
+    for spec in (None, spec_config(k=3)):
+        core, ex = make_spec_core(64, fn, spec)
+        submit(core, "A", period * 2, max_tokens=12)
+        outs.append(run_all(core))
+        assert_all_released(core, ex)
+    assert outs[0]["A"].token_ids == outs[1]["A"].token_ids
+    # Prefill (10), then 1 + 3 drafts per step, all accepted: 4 tokens a step, 12 in all
+    # (the last step's drafts are capped by max_tokens: 12 - 9 - 1 = 2).
+    assert schedule_of(ex) == [[("A", 10)], [("A", 4)], [("A", 4)], [("A", 3)], []]
+    stats = core.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens) == (3, 8, 8)
+    assert stats.spec_accepted_per_pos == [3, 3, 2]
+    assert outs[1]["A"].finish_reason == "length" and len(outs[1]["A"].token_ids) == 12
+
+
+def test_rejected_drafts_are_rolled_back_exactly() -> None:
+    """Every 3rd output is off the cycle: drafts are rejected part-way. The fake workers check
+    each step that all computed KV reads back, and that num_computed_tokens rolled back."""
+    period = [20, 21, 22, 23]
+    fn = cycle_token(period, every=3)
+    outs = []
+    for spec in (None, spec_config(k=4)):
+        core, ex = make_spec_core(64, fn, spec)
+        submit(core, "A", period * 3, max_tokens=30)
+        outs.append(run_all(core))
+        assert_all_released(core, ex)
+    assert outs[0]["A"].token_ids == outs[1]["A"].token_ids
+    stats = core.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_random_workload_with_preemption_and_prefix_hits_equals_no_speculation() -> None:
+    """Many requests sharing prefixes, a cache small enough to preempt, content-dependent
+    tokens with repeats (lookups hit and miss): identical outputs, everything released."""
+    rng = random.Random(7)
+    base = [rng.randrange(50, 60) for _ in range(12)]
+    prompts = {f"r{i}": base[:rng.randrange(4, 12)] + [rng.randrange(50, 60) for _ in range(6)]
+               for i in range(10)}
+
+    def repeating(request_id: str, token_ids: list[int], num_output: int) -> int:
+        h = content_token(request_id, token_ids[-2:], num_output)
+        return EOS if h == EOS else 50 + h % 10        # a small alphabet: n-grams repeat
+
+    max_tokens = {request_id: rng.randrange(5, 25) for request_id in prompts}
+    outs, preemptions = [], []
+    for spec in (None, spec_config(k=3, low=1, high=2)):
+        core, ex = make_spec_core(14, repeating, spec, max_num_batched_tokens=24)
+        for request_id, p in prompts.items():
+            submit(core, request_id, p, max_tokens=max_tokens[request_id], ignore_eos=False)
+        outs.append({k: (v.token_ids, v.finish_reason) for k, v in run_all(core).items()})
+        assert_all_released(core, ex)
+        preemptions.append(core.stats().num_preemptions)
+    assert outs[0] == outs[1]
+    stats = core.stats()
+    assert preemptions[1] > 0 and stats.prefix_cache_hits > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_eos_and_stop_ids_inside_a_draft_end_the_request_there() -> None:
+    period = [30, 31, EOS, 33]
+
+    def own_cycle(request_id: str, token_ids: list[int], num_output: int) -> int:
+        return token_ids[len(token_ids) % 4]          # each request repeats its prompt
+
+    core, ex = make_spec_core(64, own_cycle, spec_config(k=4))
+    submit(core, "eos", period * 2, max_tokens=20, ignore_eos=False)
+    submit(core, "stop", [40, 41, 42, 43] * 2, max_tokens=20, stop_token_ids=[42])
+    out = run_all(core)
+    assert out["eos"].token_ids == [30, 31, EOS] and out["eos"].finish_reason == "stop"
+    assert out["stop"].token_ids == [40, 41, 42] and out["stop"].finish_reason == "stop"
+    assert core.stats().spec_num_drafts == 2           # both drafted, past their stop
+    assert_all_released(core, ex)
+
+
+def test_no_drafts_above_the_batch_size_limit() -> None:
+    fn = cycle_token([10, 11, 12])
+    core, ex = make_spec_core(64, fn, spec_config(k=2, off=2), max_num_seqs=8)
+    for i in range(3):
+        submit(core, f"r{i}", [10, 11, 12] * 2, max_tokens=6 + 4 * i)
+    run_all(core)
+    for plan in ex.plans:
+        if plan.spec_token_ids:
+            assert len(plan.scheduled_ids) <= 2, plan
+    assert any(plan.spec_token_ids for plan in ex.plans)     # once two had finished
+
+
+def test_poor_acceptance_pauses_a_request() -> None:
+    spec = Speculator(spec_config(k=2), max_model_len=1000)
+    r = Request("r", [1, 2, 1, 2, 1], SamplingParams(max_tokens=500))
+    assert spec.propose(r, 10) == [2, 1]
+    for _ in range(6):                        # nothing accepted, again and again
+        spec.record(r, 2, 0)
+        if spec.propose(r, 10) == []:
+            break
+    assert spec.propose(r, 10) == []
+    r.token_ids += [2] * PAUSE_TOKENS          # the pause is over
+    assert spec.propose(r, 10) == [2]      # the latest match of 2,2,2 is one token back
+    assert spec.propose(r, 0) == []            # no budget left
+    short = Request("s", [1, 2, 1, 2, 1], SamplingParams(max_tokens=500))
+    assert Speculator(spec_config(k=2), max_model_len=6).propose(short, 10) == [2]  # the end
+    assert Speculator(spec_config(k=2), max_model_len=1000).propose(
+        short, 10) == [2, 1]
+    capped = Request("c", [1, 2, 1, 2, 1], SamplingParams(max_tokens=2))
+    assert Speculator(spec_config(k=2), max_model_len=1000).propose(capped, 10) == [2]
