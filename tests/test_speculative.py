@@ -253,3 +253,173 @@ def test_poor_acceptance_pauses_a_request() -> None:
         short, 10) == [2, 1]
     capped = Request("c", [1, 2, 1, 2, 1], SamplingParams(max_tokens=2))
     assert Speculator(spec_config(k=2), max_model_len=1000).propose(capped, 10) == [2]
+
+
+# --- the default model: the same tokens as without speculation --------------------------
+
+DTYPE = "float32"          # exact equality across step shapes is a float32 promise
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}
+COPY_PROMPTS = [           # lookup hits often
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Copy this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    "    return a - b\n\ndef mul(a, b):\n    return a * b\n",
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
+]
+OPEN_PROMPTS = [           # lookup rarely hits
+    "Once upon a time, in a small village by the sea,",
+    "The first ten prime numbers are",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def plain(default_model: str):  # type: ignore[no-untyped-def]
+    from kvflow import LLM
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3, in_process=True) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec(default_model: str):  # type: ignore[no-untyped-def]
+    """The real cluster (EngineCore and a worker in their processes): the plan's drafts and
+    the result's token counts cross the sockets."""
+    from kvflow import LLM
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=0.3,
+             speculative_config=NGRAM) as llm:
+        yield llm
+
+
+def token_ids(llm, prompts: list[str], params: SamplingParams | list[SamplingParams]
+              ) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_equals_no_speculation(plain, spec) -> None:  # type: ignore[no-untyped-def]
+    before = spec.last_stats
+    for prompts in (COPY_PROMPTS, OPEN_PROMPTS):
+        assert token_ids(spec, prompts, GREEDY) == token_ids(plain, prompts, GREEDY)
+        for p in prompts:              # one at a time too (other batch shapes)
+            assert token_ids(spec, [p], GREEDY) == token_ids(plain, [p], GREEDY)
+    # Run again, the prompt's blocks come from the prefix cache: the same tokens.
+    [again] = spec.generate([COPY_PROMPTS[1]], GREEDY, use_tqdm=False)
+    assert again.num_cached_tokens >= 16
+    assert again.token_ids == token_ids(plain, [COPY_PROMPTS[1]], GREEDY)[0]
+    stats = spec.last_stats
+    accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert 0 < accepted < drafted
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+
+
+def test_seeded_sampling_and_logprobs_equal_no_speculation(plain, spec  # type: ignore[no-untyped-def]
+                                                           ) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=32, logprobs=2),
+              SamplingParams(temperature=1.0, top_k=20, seed=12, max_tokens=32,
+                             repetition_penalty=1.2, frequency_penalty=0.3, logprobs=1),
+              SamplingParams(temperature=0.5, min_p=0.1, seed=13, max_tokens=32,
+                             min_tokens=20)]
+    before = spec.last_stats.spec_num_accepted_tokens
+    ours = spec.generate(COPY_PROMPTS, params, use_tqdm=False)
+    theirs = plain.generate(COPY_PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert spec.last_stats.spec_num_accepted_tokens > before
+    for a, b in zip(ours[:2], theirs[:2]):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-3 for t in x)
+
+
+def test_stop_strings_max_tokens_and_stop_ids_mid_draft(plain, spec  # type: ignore[no-untyped-def]
+                                                        ) -> None:
+    prompt = COPY_PROMPTS[0]
+    [ref] = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=40),
+                           use_tqdm=False)
+    text = ref.text
+    stop = text[len(text) // 2:len(text) // 2 + 5]
+    cases = [SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+             SamplingParams(temperature=0, max_tokens=40, stop=[stop],
+                            include_stop_str_in_output=True),
+             SamplingParams(temperature=0, max_tokens=7),
+             SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ref.token_ids[12]])]
+    for params in cases:
+        [a] = spec.generate([prompt], params, use_tqdm=False)
+        [b] = plain.generate([prompt], params, use_tqdm=False)
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+    [a] = spec.generate([prompt], cases[2], use_tqdm=False)
+    assert len(a.token_ids) == 7 and a.finish_reason == "length"
+
+
+def test_preemption_with_speculation(default_model: str, plain  # type: ignore[no-untyped-def]
+                                                        ) -> None:
+    from kvflow import LLM
+    prompts = COPY_PROMPTS + OPEN_PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = token_ids(plain, prompts, params)
+    # 10 blocks of 16 float32 tokens hold every request alone but not all five together.
+    kv_gb = 10 * 737_280 / 2**30
+    with LLM(default_model, dtype=DTYPE, kv_cache_memory_gb=kv_gb, in_process=True,
+             speculative_config=NGRAM) as llm:
+        assert token_ids(llm, prompts, params) == reference
+        assert llm.last_stats.num_preemptions > 0
+        assert llm.last_stats.spec_num_accepted_tokens > 0
+        assert llm.last_stats.num_free_blocks == 10
+
+
+def test_tensor_parallel_2_with_speculation(default_model: str, tmp_path: str) -> None:
+    """The default model's 9 heads do not split in two: a tiny random Llama that does, with
+    small weights (its greedy outputs fall into loops, where lookup hits; its top logits
+    stay 0.04+ apart, far above float32's rounding of the sharded sums)."""
+    from kvflow import LLM
+    from model_helpers import make_tiny_model
+    path = make_tiny_model(default_model, str(tmp_path), "llama", initializer_range=0.05)
+    prompts = ["The quick brown fox", "1, 2, 3, 1, 2, 3, 1, 2", [7] * 45]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(path, in_process=True, kv_cache_memory_gb=0.05, dtype=DTYPE) as llm:
+        reference = token_ids(llm, prompts, params)
+    with LLM(path, tensor_parallel_size=2, kv_cache_memory_gb=0.05, dtype=DTYPE,
+             num_threads=1, speculative_config=NGRAM) as llm:
+        assert token_ids(llm, prompts, params) == reference
+        assert llm.last_stats.spec_num_accepted_tokens > 0
+
+
+def test_unseeded_distribution_matches_hf_at_a_verified_position(
+        default_model: str, spec) -> None:  # type: ignore[no-untyped-def]
+    """Unseeded sampling: the second output token (verified against a draft: the prompt
+    repeats) follows HF transformers' distribution, given the first (chi-square)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    from transformers import AutoModelForCausalLM
+    prompt = "red green blue, red green blue, red green blue, red green"
+    # max_tokens=3: room for one draft, verified at the second token.
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
+    before = spec.last_stats
+    outs = spec.generate([prompt] * 600, params, use_tqdm=False)
+    stats = spec.last_stats
+    assert stats.spec_num_drafts - before.spec_num_drafts >= 300       # verified, mostly
+    first = Counter(o.token_ids[0] for o in outs).most_common(1)[0][0]
+    seconds = Counter(o.token_ids[1] for o in outs if o.token_ids[0] == first)
+    prompt_ids = spec.tokenizer.encode(prompt)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + [first]])).logits[0, -1]
+    top = logits.topk(6)
+    probs = top.values.softmax(-1)
+    n = sum(seconds.values())
+    assert set(seconds) <= set(top.indices.tolist())
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for token, prob in zip(top.indices.tolist(), probs.tolist()):
+        if prob * n >= 5:
+            observed.append(seconds.get(token, 0))
+            expected.append(prob * n)
+        else:
+            rest_o += seconds.get(token, 0)
+            rest_e += prob * n
+    if rest_e:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    if len(observed) > 1:
+        expected = [e * n / sum(expected) for e in expected]
+        assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3, (seconds, probs)
+    else:                          # one token takes nearly all the mass: it must dominate
+        assert seconds[top.indices[0].item()] >= 0.95 * n
