@@ -423,3 +423,41 @@ def test_unseeded_distribution_matches_hf_at_a_verified_position(
         assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3, (seconds, probs)
     else:                          # one token takes nearly all the mass: it must dominate
         assert seconds[top.indices[0].item()] >= 0.95 * n
+
+
+# --- the OpenAI server ------------------------------------------------------------------
+
+def test_openai_server_streams_several_tokens_per_step(default_model: str, plain  # type: ignore[no-untyped-def]
+                                                       ) -> None:
+    """`launch.py serve --speculative-method ngram` with the openai SDK: whole and streamed
+    answers equal LLM's without speculation (greedy; n=2 seeded), and /metrics counts drafts."""
+    openai = pytest.importorskip("openai")
+    from test_openai_server import metrics, serve
+    prompt = COPY_PROMPTS[1]
+    [ref] = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=40),
+                           use_tqdm=False)
+    seeded = [SamplingParams(temperature=0.8, seed=seed, max_tokens=30) for seed in (5, 6)]
+    ref_seeded = plain.generate([prompt] * 2, seeded, use_tqdm=False)  # choice i: seed + i
+    s = serve(default_model, "--speculative-method", "ngram", "--num-speculative-tokens", "5",
+              "--prompt-lookup-max", "4")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
+        whole = c.completions.create(model="default", prompt=prompt, max_tokens=40,
+                                     temperature=0)
+        assert whole.choices[0].text == ref.text
+        chunks = [ch.choices[0].text for ch in c.completions.create(
+            model="default", prompt=prompt, max_tokens=40, temperature=0, stream=True)]
+        assert "".join(chunks) == ref.text
+        assert len([t for t in chunks if t]) < len(ref.token_ids)   # several tokens a delta
+        two = c.completions.create(model="default", prompt=prompt, max_tokens=30,
+                                   temperature=0.8, seed=5, n=2)
+        assert [ch.text for ch in two.choices] == [o.text for o in ref_seeded]
+        m = metrics(s)
+        drafted = m["kvflow:spec_decode_num_draft_tokens_total"]
+        accepted = m["kvflow:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= drafted and m["kvflow:spec_decode_num_drafts_total"] > 0
+        per_pos = [m.get(f"kvflow:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}",
+                         0) for i in range(5)]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    finally:
+        s.cleanup()
