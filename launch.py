@@ -99,10 +99,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group(
         "speculative decoding", "several tokens per step for a few users, exactly the tokens "
         "the model gives without it (docs/design.md, 'Speculative decoding')")
-    spec.add_argument("--speculative-method", default=None, choices=["ngram"],
+    spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
                       help="ngram: prompt lookup, drafts copied from what followed the "
-                           "request's last tokens earlier in its prompt or output (default: "
-                           "off)")
+                           "request's last tokens earlier in its prompt or output; "
+                           "draft_model: drafts from --speculative-model, run by worker rank 0 "
+                           "(default: off; --speculative-model alone means draft_model)")
+    spec.add_argument("--speculative-model", default=None,
+                      help="draft_model: a smaller model's local folder (or 'default') with "
+                           "the same tokenizer; it runs in the target's dtype with its own KV "
+                           "cache")
     spec.add_argument("--num-speculative-tokens", type=positive_int, default=None,
                       help="drafts per request per step, at most 16 (default: 4)")
     spec.add_argument("--prompt-lookup-min", type=positive_int, default=None,

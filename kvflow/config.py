@@ -77,12 +77,14 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Speculative decoding (kvflow/core/speculative.py): EngineCore proposes up to
-    `num_speculative_tokens` drafts per request, the target model verifies them in one step."""
-    method: str                        # "ngram": prompt lookup
+    """Speculative decoding (kvflow/core/speculative.py): up to `num_speculative_tokens` drafts
+    per request, proposed by EngineCore (ngram) or by a draft model in worker rank 0
+    (draft_model, kvflow/workers/draft_model.py), verified by the target model in one step."""
+    method: str                        # "ngram": prompt lookup; "draft_model": a smaller model
     num_speculative_tokens: int
-    prompt_lookup_min: int             # n-gram sizes tried, longest first
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0         # ngram: n-gram sizes tried, longest first
+    prompt_lookup_max: int = 0
+    draft: ModelConfig | None = None   # draft_model: the draft (same tokenizer as the target)
     # No drafts in a step with more running requests than this (the batch is compute-bound
     # there, and rejected drafts cost throughput); 0: never off.
     disable_by_batch_size: int = 0
@@ -132,11 +134,16 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
-def _check_weights(path: str, load_format: str) -> None:
-    if load_format == "dummy":
-        return
-    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
-        raise ValueError(f"model={path!r}: no *.safetensors weights in the folder")
+def _check_model(path: str, hf: dict, load_format: str, what: str) -> str:
+    """The architecture of a model folder (the target, or a draft model), checked."""
+    if load_format != "dummy" and not any(name.endswith(".safetensors")
+                                          for name in os.listdir(path)):
+        raise ValueError(f"{what}={path!r}: no *.safetensors weights in the folder")
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{what}={path!r}: architecture {arch!r} is not one of "
+                         f"{SUPPORTED_ARCHITECTURES}")
+    return arch
 
 
 def _eos_token_ids(path: str, hf: dict) -> tuple[int, ...]:
@@ -201,7 +208,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     grammar_compile_timeout: float = 10.0  # structured outputs: seconds to compile one
     # Speculative decoding, vLLM's names (LLM(..., speculative_config={"method": "ngram",
     # "num_speculative_tokens": 4, ...}) sets these too): method None is off.
-    speculative_method: str | None = None          # "ngram"
+    speculative_method: str | None = None          # "ngram" | "draft_model"
+    speculative_model: str | None = None           # draft_model: the draft's folder
     num_speculative_tokens: int | None = None      # None: 4
     prompt_lookup_min: int | None = None           # None: prompt_lookup_max if set, else 2
     prompt_lookup_max: int | None = None           # None: prompt_lookup_min if set, else 5
@@ -218,15 +226,10 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     except TypeError as e:                         # an option that does not exist: say which
         raise TypeError(f"{e}; the engine options are "
                         f"{', '.join(EngineOptions.__struct_fields__)}") from None
-    speculative = _speculative_config(o)
     hf = read_hf_config(model_path)
     if o.load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format={o.load_format!r} must be 'safetensors' or 'dummy'")
-    _check_weights(model_path, o.load_format)
-    arch = (hf.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model={model_path!r}: architecture {arch!r} is not one of "
-                         f"{SUPPORTED_ARCHITECTURES}")
+    arch = _check_model(model_path, hf, o.load_format, "model")
     hf_max_len = int(hf.get("max_position_embeddings", 2048))
     max_model_len = o.max_model_len or hf_max_len
     _check_positive(tensor_parallel_size=o.tensor_parallel_size, max_model_len=max_model_len,
@@ -260,6 +263,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         dtype=_check_dtype(o.dtype), load_format=o.load_format,
         vocab_size=int(hf["vocab_size"]), max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(model_path, hf), hf_config=hf)
+    speculative = _speculative_config(o, model)
     cache = CacheConfig(
         block_size=o.block_size, enable_prefix_caching=o.enable_prefix_caching,
         kv_cache_memory_gb=o.kv_cache_memory_gb,
@@ -276,9 +280,10 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's speculative_config keys -> EngineOptions fields.
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method",
+                           "model": "speculative_model",
                            "num_speculative_tokens": "num_speculative_tokens",
                            "prompt_lookup_min": "prompt_lookup_min",
                            "prompt_lookup_max": "prompt_lookup_max",
@@ -299,35 +304,86 @@ def speculative_options(speculative_config: dict | None) -> dict:
     return {SPECULATIVE_CONFIG_KEYS[k]: v for k, v in speculative_config.items()}
 
 
-def _speculative_config(o: EngineOptions) -> SpeculativeConfig | None:
+def _speculative_config(o: EngineOptions, target: ModelConfig) -> SpeculativeConfig | None:
     set_fields = {name: getattr(o, name) for name in SPECULATIVE_CONFIG_KEYS.values()
                   if name != "speculative_method" and getattr(o, name) is not None}
-    if o.speculative_method is None:
+    method = o.speculative_method
+    if method is None and o.speculative_model is not None:
+        method = "draft_model"          # as vLLM: a draft model alone says the method
+    if method is None:
         if set_fields:
             raise ValueError(f"{', '.join(set_fields)} set without speculative_method "
                              f"(one of {SPECULATIVE_METHODS})")
         return None
-    if o.speculative_method not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative_method={o.speculative_method!r} must be one of "
-                         f"{SPECULATIVE_METHODS} (a draft model is not supported yet)")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method={method!r} must be one of {SPECULATIVE_METHODS}")
     k = 4 if o.num_speculative_tokens is None else o.num_speculative_tokens
-    low, high = o.prompt_lookup_min, o.prompt_lookup_max
-    low, high = (low if low is not None else (high if high is not None else 2),
-                 high if high is not None else (low if low is not None else 5))
-    _check_positive(num_speculative_tokens=k, prompt_lookup_min=low, prompt_lookup_max=high)
+    _check_positive(num_speculative_tokens=k)
     if k > 16:
         raise ValueError(f"num_speculative_tokens={k} must be <= 16")
-    if high > 64:
-        raise ValueError(f"prompt_lookup_max={high} must be <= 64")
-    if low > high:
-        raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
     off = o.speculative_disable_by_batch_size
     off = 8 if off is None else off
     if not isinstance(off, int) or off < 0:
         raise ValueError(f"speculative_disable_by_batch_size={off!r} must be >= 0 (0: never)")
-    return SpeculativeConfig(method=o.speculative_method, num_speculative_tokens=k,
-                             prompt_lookup_min=low, prompt_lookup_max=high,
-                             disable_by_batch_size=off)
+    if method == "draft_model":
+        lookup = [f for f in ("prompt_lookup_min", "prompt_lookup_max") if f in set_fields]
+        if lookup:
+            raise ValueError(f"{', '.join(lookup)} apply to speculative_method='ngram', not "
+                             "'draft_model'")
+        return SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                 disable_by_batch_size=off,
+                                 draft=_draft_model_config(o.speculative_model, target))
+    if o.speculative_model is not None:
+        raise ValueError(f"speculative_model={o.speculative_model!r} is for "
+                         "speculative_method='draft_model', not 'ngram'")
+    low, high = o.prompt_lookup_min, o.prompt_lookup_max
+    low, high = (low if low is not None else (high if high is not None else 2),
+                 high if high is not None else (low if low is not None else 5))
+    _check_positive(prompt_lookup_min=low, prompt_lookup_max=high)
+    if high > 64:
+        raise ValueError(f"prompt_lookup_max={high} must be <= 64")
+    if low > high:
+        raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=low,
+                             prompt_lookup_max=high, disable_by_batch_size=off)
+
+
+def _draft_model_config(path: str | None, target: ModelConfig) -> ModelConfig:
+    """The draft model's config: a local folder (or "default") with the target's tokenizer
+    (same vocabulary, token for token), long enough for max_model_len, run in the target's
+    dtype (and weights format: dummy weights for a dummy target)."""
+    if path is None:
+        raise ValueError("speculative_method='draft_model' needs speculative_model (the "
+                         "draft's folder)")
+    from kvflow.frontend.model_files import resolve_model   # "default" -> its folder
+    path = os.path.abspath(resolve_model(path))
+    hf = read_hf_config(path)
+    arch = _check_model(path, hf, target.load_format, "speculative_model")
+    if int(hf["vocab_size"]) != target.vocab_size:
+        raise ValueError(f"speculative_model={path!r}: vocab_size {hf['vocab_size']} differs "
+                         f"from the target's {target.vocab_size} (the draft must share the "
+                         "target's tokenizer)")
+    draft_vocab, target_vocab = _vocab(path), _vocab(target.path)
+    if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
+        raise ValueError(f"speculative_model={path!r}: its tokenizer.json's vocabulary "
+                         "differs from the target's (the draft must share the tokenizer)")
+    if int(hf.get("max_position_embeddings", 2048)) < target.max_model_len:
+        raise ValueError(f"speculative_model={path!r}: max_position_embeddings "
+                         f"{hf.get('max_position_embeddings', 2048)} < max_model_len="
+                         f"{target.max_model_len}")
+    return ModelConfig(path=path, architecture=arch, dtype=target.dtype,
+                       load_format=target.load_format, vocab_size=target.vocab_size,
+                       max_model_len=target.max_model_len,
+                       eos_token_ids=target.eos_token_ids, hf_config=hf)
+
+
+def _vocab(path: str) -> dict | None:
+    """tokenizer.json's token -> id map (None when the folder has none)."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return (json.load(f).get("model") or {}).get("vocab")
 
 
 def _check_execution(attention_backend: str, device: str, block_size: int,

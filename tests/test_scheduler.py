@@ -71,6 +71,9 @@ class FakeExecutor:
         self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(num_blocks)]
         self.requests: dict[str, WorkerRequest] = {}
         self.plans: list[StepPlan] = []
+        # Speculative decoding with a draft model: the drafts the plan counts but does not
+        # carry come from this fake draft model, autoregressively (as workers/draft_model.py).
+        self.draft_fn: TokenFn | None = None
 
     def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None) -> StepResult:
         assert not plan.masked_ids and masks is None, "no constrained requests here"
@@ -82,7 +85,7 @@ class FakeExecutor:
         sampled_ids, sampled, counts = [], [], []
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
             state = self.requests[request_id]
-            drafts = plan.spec_token_ids.get(request_id, [])
+            drafts = self._drafts(plan, request_id, state)
             assert not drafts or state.num_computed_tokens + 1 == len(state.token_ids), state
             assert n >= 1 and state.num_computed_tokens + n - len(drafts) <= len(
                 state.token_ids), (state, n)
@@ -100,6 +103,19 @@ class FakeExecutor:
         if len(sampled) == len(sampled_ids):
             counts = []
         return StepResult(sampled_ids, sampled, num_sampled=counts)
+
+    def _drafts(self, plan: StepPlan, request_id: str, state: WorkerRequest) -> list[int]:
+        num_drafts = plan.num_spec_tokens.get(request_id, 0)
+        drafts = plan.spec_token_ids.get(request_id)
+        if drafts is None and num_drafts:
+            assert self.draft_fn is not None, "a draft model's drafts, but no draft model"
+            drafts = []
+            num_output = len(state.token_ids) - state.num_prompt_tokens
+            for j in range(num_drafts):
+                drafts.append(self.draft_fn(request_id, state.token_ids + drafts,
+                                            num_output + j))
+        assert len(drafts or []) == num_drafts, (plan, request_id)
+        return drafts or []
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for request_id in plan.forget_ids:             # forgotten before the step runs

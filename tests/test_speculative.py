@@ -16,6 +16,7 @@ from kvflow.config import SpeculativeConfig, make_engine_config
 from kvflow.core.engine_core import EngineCore
 from kvflow.core.request import Request
 from kvflow.core.speculative import PAUSE_TOKENS, Speculator, _NgramIndex, accept
+from kvflow.ipc.messages import EngineStats
 from kvflow.sampling_params import SamplingParams
 from kvflow.workers.sampler import Sampler, SamplingBatch
 from test_scheduler import (EOS, FakeExecutor, TokenFn, assert_all_released, content_token,
@@ -25,6 +26,12 @@ from test_scheduler import (EOS, FakeExecutor, TokenFn, assert_all_released, con
 def spec_config(k: int = 3, low: int = 1, high: int = 3, off: int = 0) -> SpeculativeConfig:
     return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=low,
                              prompt_lookup_max=high, disable_by_batch_size=off)
+
+
+def draft_config(k: int = 3, off: int = 0) -> SpeculativeConfig:
+    """A draft model's config for the fake workers (their draft_fn plays the model)."""
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k,
+                             disable_by_batch_size=off)
 
 
 # --- the proposer ------------------------------------------------------------------------
@@ -128,10 +135,21 @@ def test_accept_keeps_the_agreeing_prefix_plus_one() -> None:
 # --- the scheduler, exactly, with the fake workers ---------------------------------------
 
 def make_spec_core(num_blocks: int, token_fn: TokenFn, spec: SpeculativeConfig | None,
-                   **config: int | bool) -> tuple[EngineCore, FakeExecutor]:
+                   draft_fn: TokenFn | None = None, **config: int | bool
+                   ) -> tuple[EngineCore, FakeExecutor]:
     cfg = msgspec.structs.replace(make_config(**config), speculative=spec)  # type: ignore[arg-type]
     executor = FakeExecutor(num_blocks, cfg, token_fn)
+    executor.draft_fn = draft_fn
     return EngineCore(cfg, executor), executor
+
+
+def often_wrong(token_fn: TokenFn, every: int) -> TokenFn:
+    """A fake draft model: the target's token, except at every `every`-th output position."""
+    def draft_fn(request_id: str, token_ids: list[int], num_output: int) -> int:
+        if num_output % every == every - 1:
+            return 999
+        return token_fn(request_id, token_ids, num_output)
+    return draft_fn
 
 
 def cycle_token(period: list[int], every: int = 0) -> TokenFn:
@@ -180,9 +198,12 @@ def test_rejected_drafts_are_rolled_back_exactly() -> None:
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
-def test_random_workload_with_preemption_and_prefix_hits_equals_no_speculation() -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_random_workload_with_preemption_and_prefix_hits_equals_no_speculation(
+        method: str) -> None:
     """Many requests sharing prefixes, a cache small enough to preempt, content-dependent
-    tokens with repeats (lookups hit and miss): identical outputs, everything released."""
+    tokens with repeats (lookups hit and miss; the fake draft model is wrong at every 4th
+    position): identical outputs, everything released."""
     rng = random.Random(7)
     base = [rng.randrange(50, 60) for _ in range(12)]
     prompts = {f"r{i}": base[:rng.randrange(4, 12)] + [rng.randrange(50, 60) for _ in range(6)]
@@ -194,8 +215,10 @@ def test_random_workload_with_preemption_and_prefix_hits_equals_no_speculation()
 
     max_tokens = {request_id: rng.randrange(5, 25) for request_id in prompts}
     outs, preemptions = [], []
-    for spec in (None, spec_config(k=3, low=1, high=2)):
-        core, ex = make_spec_core(14, repeating, spec, max_num_batched_tokens=24)
+    spec = spec_config(k=3, low=1, high=2) if method == "ngram" else draft_config(k=3)
+    for speculative in (None, spec):
+        core, ex = make_spec_core(14, repeating, speculative, often_wrong(repeating, 4),
+                                  max_num_batched_tokens=24)
         for request_id, p in prompts.items():
             submit(core, request_id, p, max_tokens=max_tokens[request_id], ignore_eos=False)
         outs.append({k: (v.token_ids, v.finish_reason) for k, v in run_all(core).items()})
@@ -230,29 +253,53 @@ def test_no_drafts_above_the_batch_size_limit() -> None:
         submit(core, f"r{i}", [10, 11, 12] * 2, max_tokens=6 + 4 * i)
     run_all(core)
     for plan in ex.plans:
-        if plan.spec_token_ids:
+        if plan.num_spec_tokens:
             assert len(plan.scheduled_ids) <= 2, plan
-    assert any(plan.spec_token_ids for plan in ex.plans)     # once two had finished
+    assert any(plan.num_spec_tokens for plan in ex.plans)     # once two had finished
+
+
+def test_draft_model_drafts_are_counted_by_engine_core_and_made_by_the_workers() -> None:
+    """method draft_model: the plan carries how many drafts (k, capped by max_tokens), never
+    their tokens; a draft wrong at every 3rd position is rolled back exactly."""
+    fn = cycle_token([10, 11, 12, 13])
+    outs = []
+    for spec in (None, draft_config(k=3)):
+        core, ex = make_spec_core(64, fn, spec, often_wrong(fn, 3))
+        submit(core, "A", [10, 11, 12, 13] * 2, max_tokens=14)
+        outs.append(run_all(core))
+        assert_all_released(core, ex)
+    assert outs[0]["A"].token_ids == outs[1]["A"].token_ids
+    drafting = [p for p in ex.plans if p.num_spec_tokens]
+    assert drafting and not any(p.spec_token_ids for p in drafting)
+    # Outputs 0..13; the draft is wrong at outputs 2, 5, 8, 11: each verification after the
+    # first token accepts up to that position and emits the target's token there.
+    assert [p.num_spec_tokens["A"] for p in drafting] == [3, 3, 3, 3, 1]
+    stats = core.stats()
+    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (13, 8)
 
 
 def test_poor_acceptance_pauses_a_request() -> None:
     spec = Speculator(spec_config(k=2), max_model_len=1000)
     r = Request("r", [1, 2, 1, 2, 1], SamplingParams(max_tokens=500))
-    assert spec.propose(r, 10) == [2, 1]
+    assert spec.propose(r, 10) == (2, [2, 1])
     for _ in range(6):                        # nothing accepted, again and again
         spec.record(r, 2, 0)
-        if spec.propose(r, 10) == []:
+        if spec.propose(r, 10) == (0, []):
             break
-    assert spec.propose(r, 10) == []
+    assert spec.propose(r, 10) == (0, [])
     r.token_ids += [2] * PAUSE_TOKENS          # the pause is over
-    assert spec.propose(r, 10) == [2]      # the latest match of 2,2,2 is one token back
-    assert spec.propose(r, 0) == []            # no budget left
+    assert spec.propose(r, 10) == (1, [2])     # the latest match of 2,2,2 is one token back
+    assert spec.propose(r, 0) == (0, [])       # no budget left
     short = Request("s", [1, 2, 1, 2, 1], SamplingParams(max_tokens=500))
-    assert Speculator(spec_config(k=2), max_model_len=6).propose(short, 10) == [2]  # the end
-    assert Speculator(spec_config(k=2), max_model_len=1000).propose(
-        short, 10) == [2, 1]
+    assert Speculator(spec_config(k=2), max_model_len=6).propose(short, 10) == (1, [2])
+    assert Speculator(spec_config(k=2), max_model_len=1000).propose(short, 10) == (2, [2, 1])
     capped = Request("c", [1, 2, 1, 2, 1], SamplingParams(max_tokens=2))
-    assert Speculator(spec_config(k=2), max_model_len=1000).propose(capped, 10) == [2]
+    assert Speculator(spec_config(k=2), max_model_len=1000).propose(capped, 10) == (1, [2])
+    # A draft model: EngineCore sets the number only, under the same limits and pause.
+    drafter = Speculator(draft_config(k=3), max_model_len=1000)
+    assert drafter.propose(Request("d", [1, 2], SamplingParams(max_tokens=500)), 10) == (3, None)
+    assert drafter.propose(Request("d", [1, 2], SamplingParams(max_tokens=3)), 10) == (2, None)
+    assert drafter.propose(Request("d", [1, 2], SamplingParams(max_tokens=500)), 1) == (1, None)
 
 
 # --- the default model: the same tokens as without speculation --------------------------
@@ -423,6 +470,128 @@ def test_unseeded_distribution_matches_hf_at_a_verified_position(
         assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3, (seconds, probs)
     else:                          # one token takes nearly all the mass: it must dominate
         assert seconds[top.indices[0].item()] >= 0.95 * n
+
+
+# --- a draft model: tiny random models that share the default tokenizer ------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair(default_model: str, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[str, str]:
+    """A target (2-layer Llama, small weights: its greedy outputs loop, and its top logits
+    stay far apart, so argmaxes do not flip with the batch shape) and an unrelated 1-layer
+    Qwen2 draft (other heads and sizes: its own KV cache layout)."""
+    from model_helpers import make_tiny_model
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model(default_model, str(root / "target"), "llama",
+                             initializer_range=0.05)
+    draft = make_tiny_model(default_model, str(root / "draft"), "qwen2", hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, initializer_range=0.05)
+    return target, draft
+
+
+TINY_PROMPTS = ["The quick brown fox", "1, 2, 3, 1, 2, 3, 1, 2", [7] * 45,
+                "Once upon a time there was"]
+
+
+def draft_llm(target: str, draft: str, **options: object):  # type: ignore[no-untyped-def]
+    from kvflow import LLM
+    options.setdefault("in_process", True)
+    return LLM(target, dtype=DTYPE, speculative_config={
+        "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 0}, **options)
+
+
+def test_draft_model_options_are_checked(default_model: str, tiny_pair: tuple[str, str],
+                                         tmp_path: str) -> None:
+    from model_helpers import make_tiny_model
+    target, draft = tiny_pair
+    config = make_engine_config(target, speculative_config={"model": draft})
+    assert config.speculative is not None and config.speculative.method == "draft_model"
+    assert config.speculative.draft is not None
+    assert config.speculative.draft.architecture == "Qwen2ForCausalLM"
+    other_vocab = make_tiny_model(default_model, f"{tmp_path}/v", "llama", vocab_size=1000)
+    short = make_tiny_model(default_model, f"{tmp_path}/s", "llama",
+                            max_position_embeddings=64)
+    bad = [({"method": "draft_model"}, "needs speculative_model"),
+           ({"model": other_vocab}, "vocab_size 1000"),
+           ({"model": short}, "max_position_embeddings 64"),
+           ({"model": f"{tmp_path}/none"}, "no such directory"),
+           ({"method": "ngram", "model": draft}, "not 'ngram'"),
+           ({"model": draft, "prompt_lookup_max": 3}, "prompt_lookup_max apply to"),
+           ({"method": "eagle"}, "must be one of")]
+    for spec, message in bad:
+        with pytest.raises(ValueError, match=message):
+            make_engine_config(target, max_model_len=128, speculative_config=spec)
+
+
+def test_draft_model_gives_the_target_tokens(tiny_pair: tuple[str, str]) -> None:
+    """An unrelated draft: greedy and seeded outputs equal the target's alone, whatever it
+    proposes (in one batch and one request at a time)."""
+    from kvflow import LLM
+    target, draft = tiny_pair
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0.7, top_k=8, seed=4, max_tokens=40,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    with LLM(target, dtype=DTYPE, in_process=True, kv_cache_memory_gb=0.05) as llm:
+        reference = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
+    with draft_llm(target, draft, kv_cache_memory_gb=0.05) as llm:
+        ours = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+        for a, b in zip(ours[1].logprobs or [], reference[1].logprobs or []):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        for prompt, p, ref in zip(TINY_PROMPTS, params, reference):
+            assert llm.generate([prompt], p, use_tqdm=False)[0].token_ids == ref.token_ids
+        assert llm.last_stats.spec_num_draft_tokens > 0
+
+
+def accepted_fraction(llm, before):  # type: ignore[no-untyped-def]
+    s = llm.last_stats
+    drafted = s.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert drafted > 0
+    return (s.spec_num_accepted_tokens - before.spec_num_accepted_tokens) / drafted
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_pair: tuple[str, str]) -> None:
+    """With the target as the draft, greedy drafts are accepted every time exactly when the
+    draft's KV cache is right everywhere it is read: after verifications that accepted part
+    of a draft, in blocks that come from the prefix cache, and after preemption."""
+    from kvflow import LLM
+    target, _ = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(target, dtype=DTYPE, in_process=True, kv_cache_memory_gb=0.05) as llm:
+        reference = [o.token_ids for o in llm.generate(TINY_PROMPTS, params, use_tqdm=False)]
+    with draft_llm(target, target, kv_cache_memory_gb=0.05) as llm:
+        before = llm.last_stats
+        assert token_ids(llm, TINY_PROMPTS, params) == reference
+        assert accepted_fraction(llm, before) == 1.0
+        before = llm.last_stats                  # again: prompts from the prefix cache
+        [again] = llm.generate([TINY_PROMPTS[2]], params, use_tqdm=False)
+        assert again.num_cached_tokens >= 32 and again.token_ids == reference[2]
+        assert accepted_fraction(llm, before) == 1.0
+    # 6 blocks of 16 tokens hold any one request (45 + 40 tokens) but not two: preemption.
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4 * 2        # target's + draft's KV, float32
+    with draft_llm(target, target, kv_cache_memory_gb=6 * block_bytes / 2**30) as llm:
+        assert token_ids(llm, TINY_PROMPTS, params) == reference
+        assert llm.last_stats.num_preemptions > 0 and llm.last_stats.num_total_blocks == 6
+        assert accepted_fraction(llm, EngineStats()) == 1.0
+
+
+def test_draft_model_under_tensor_parallel_2(tiny_pair: tuple[str, str]) -> None:
+    """TP=2 in the real cluster: rank 0 runs the draft and broadcasts its tokens; the
+    target's tokens equal TP=1's, and with the target as draft all are accepted."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with draft_llm(target, draft, kv_cache_memory_gb=0.05) as llm:
+        reference = token_ids(llm, TINY_PROMPTS, params)
+    for d in (draft, target):
+        with draft_llm(target, d, in_process=False, tensor_parallel_size=2, num_threads=1,
+                       kv_cache_memory_gb=0.05) as llm:
+            assert token_ids(llm, TINY_PROMPTS, params) == reference
+            if d == target:
+                assert accepted_fraction(llm, EngineStats()) == 1.0
 
 
 # --- the OpenAI server ------------------------------------------------------------------

@@ -42,7 +42,10 @@ class Scheduler:
         self.forget_ids: list[str] = []       # for the workers, with the next plan
         self.num_preemptions = 0
         self.speculator = speculator
-        self.drafts: dict[str, list[int]] = {}    # this step's, by request id
+        # This step's drafts by request id: how many, and their tokens where EngineCore
+        # proposed them (ngram; a draft model's come from worker rank 0).
+        self.num_drafts: dict[str, int] = {}
+        self.drafts: dict[str, list[int]] = {}
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
@@ -72,7 +75,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if speculate and num_new == 1 and self._draft(request, budget):
-                num_new = 1 + len(self.drafts[request.request_id])
+                num_new = 1 + self.num_drafts[request.request_id]
                 batch.append((request, num_new))
                 budget -= num_new
                 i += 1
@@ -93,10 +96,12 @@ class Scheduler:
         """Give a decoding request its drafts, if it has any and their blocks fit (else it
         decodes one token as usual)."""
         assert self.speculator is not None
-        drafts = self.speculator.propose(request, budget - 1)
-        if not drafts or not self.block_manager.allocate(request, 1 + len(drafts)):
+        num_drafts, drafts = self.speculator.propose(request, budget - 1)
+        if not num_drafts or not self.block_manager.allocate(request, 1 + num_drafts):
             return False
-        self.drafts[request.request_id] = drafts
+        self.num_drafts[request.request_id] = num_drafts
+        if drafts is not None:
+            self.drafts[request.request_id] = drafts
         return True
 
     def _schedule_waiting(self, batch: list[tuple[Request, int]], budget: int) -> None:
@@ -145,9 +150,10 @@ class Scheduler:
             request.num_tokens_sent = request.num_tokens
             request.num_blocks_sent = len(request.block_ids)
         plan = StepPlan(new, cached, [r.request_id for r, _ in batch], [n for _, n in batch],
-                        self.forget_ids, spec_token_ids=self.drafts)
+                        self.forget_ids, num_spec_tokens=self.num_drafts,
+                        spec_token_ids=self.drafts)
         self.forget_ids = []
-        self.drafts = {}
+        self.num_drafts, self.drafts = {}, {}
         return plan
 
     # --- update ----------------------------------------------------------------------------
@@ -168,12 +174,12 @@ class Scheduler:
                 self.block_manager.cache_computed_blocks(request)
                 continue
             at, count = where
-            drafts = plan.spec_token_ids.get(request.request_id, ())
-            if drafts:
-                assert self.speculator is not None and 1 <= count <= len(drafts) + 1
-                self.speculator.record(request, len(drafts), count - 1)
+            num_drafts = plan.num_spec_tokens.get(request.request_id, 0)
+            if num_drafts:
+                assert self.speculator is not None and 1 <= count <= num_drafts + 1
+                self.speculator.record(request, num_drafts, count - 1)
             # Accepted drafts have KV now; rejected ones' slots are simply written again.
-            request.num_computed_tokens += num_new - (len(drafts) - (count - 1))
+            request.num_computed_tokens += num_new - (num_drafts - (count - 1))
             new_ids = []
             for token_id in result.sampled_token_ids[at:at + count]:
                 request.token_ids.append(token_id)

@@ -1,20 +1,25 @@
-"""Speculative decoding, EngineCore's half: propose drafts, decide who drafts, count acceptance.
+"""Speculative decoding, EngineCore's half: decide who drafts and how many, propose n-gram
+drafts, count acceptance.
 
-One entry point for the scheduler: `Speculator.propose(request, ...)` returns the draft tokens
-a decoding request verifies this step (possibly none), and `Speculator.record` takes back how
-many the workers accepted. The drafts travel in `StepPlan.spec_token_ids`; the worker puts
-them after the request's last token, computes the target's logits at every one of those
-positions and samples each position exactly as it would without speculation (same seeded
-uniform per output position), then keeps the longest prefix where the sample equals the draft,
-plus the sample after it (`accept`, below; kvflow/workers/model_runner.py calls it). For a
-one-hot proposal (n-gram lookup) that is rejection sampling: a draft x is kept with
-probability p(x), and on rejection the token comes from p without x, renormalised. So the
-tokens are the target's, and a seeded request gives the same tokens with and without it.
+Two entry points for the scheduler: `Speculator.propose(request, max_drafts)` says how many
+drafts a decoding request verifies this step (possibly none) and, with the n-gram method,
+which; with a draft model (method "draft_model") the tokens come from worker rank 0, which
+runs the draft (kvflow/workers/draft_model.py), and EngineCore only sets their number.
+`Speculator.record` takes back how many the workers accepted. The plan carries both
+(`StepPlan.num_spec_tokens`, `spec_token_ids`); the worker puts the drafts after the
+request's last token, computes the target's logits at every one of those positions and
+samples each position exactly as it would without speculation (same seeded uniform per output
+position), then keeps the longest prefix where the sample equals the draft, plus the sample
+after it (`accept`, below; kvflow/workers/model_runner.py calls it). Both proposers are
+one-hot (a lookup; the draft model's argmax), and for a one-hot proposal that is rejection
+sampling: a draft x is kept with probability p(x), and on rejection the token comes from p
+without x, renormalised. So the tokens are the target's, and a seeded request gives the same
+tokens with and without speculation.
 
-Proposals happen here because EngineCore already holds every request's tokens, needs no torch
-and would otherwise wait while the workers run: an n-gram lookup is a few dict probes.
+n-gram proposals happen here because EngineCore already holds every request's tokens, needs
+no torch and would otherwise wait while the workers run: a lookup is a few dict probes.
 
-The proposer: prompt lookup (vLLM's "ngram"). For n from prompt_lookup_max down to
+The n-gram proposer: prompt lookup (vLLM's "ngram"). For n from prompt_lookup_max down to
 prompt_lookup_min, the request's last n tokens are looked up among the n-grams that occurred
 earlier in its prompt + output (the most recent occurrence wins), and the tokens that followed
 it are the drafts. Each request keeps an index from n-gram to where it last ended, extended
@@ -70,7 +75,8 @@ class _NgramIndex:
 
 class _RequestSpec:
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.index = _NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.index = (_NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
         self.acceptance = 1.0           # recent acceptance rate (an EMA over verifications)
         self.paused_until = 0           # no drafts until num_output_tokens reaches this
 
@@ -90,23 +96,27 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit == 0 or num_running <= limit
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Drafts for a request one token behind (at most `max_drafts`: what is left of the
-        step's token budget); none for constrained requests (their masks cover one position),
-        none past max_tokens or max_model_len, none while the request is paused."""
+    def propose(self, request: Request, max_drafts: int) -> tuple[int, list[int] | None]:
+        """(how many drafts, their tokens) for a request one token behind: at most
+        `max_drafts` (what is left of the step's token budget); the tokens are None for a
+        draft model (worker rank 0 proposes them). None for constrained requests (their
+        masks cover one position), past max_tokens or max_model_len, or while paused."""
         if request.grammar is not None or request.sampling_params.structured_outputs:
-            return []
+            return 0, []
         spec = request.spec
         if spec is None:
             spec = request.spec = _RequestSpec(self.config)
         if request.num_output_tokens < spec.paused_until:
-            return []
+            return 0, []
         k = min(self.config.num_speculative_tokens, max_drafts,
                 request.sampling_params.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens)
         if k <= 0:
-            return []
-        return spec.index.propose(request.token_ids, k)
+            return 0, []
+        if spec.index is None:
+            return k, None
+        drafts = spec.index.propose(request.token_ids, k)
+        return len(drafts), drafts
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -119,8 +119,11 @@ class StepPlan(_Hot, tag=True):
     # Structured outputs: the requests sampling this step under a constraint, in batch
     # order; their token bitmasks follow in a StepMasks, sent while the forward runs.
     masked_ids: list[str] = []
-    # Speculative decoding (kvflow/core/speculative.py): draft tokens per request, verified
-    # after its last token; such a request's num_scheduled_tokens counts them.
+    # Speculative decoding (kvflow/core/speculative.py): how many drafts each drafting request
+    # verifies after its last token (its num_scheduled_tokens counts them), and their tokens
+    # when EngineCore proposed them (ngram); a draft model's come from worker rank 0
+    # (kvflow/workers/draft_model.py).
+    num_spec_tokens: dict[str, int] = {}
     spec_token_ids: dict[str, list[int]] = {}
 
 

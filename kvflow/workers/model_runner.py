@@ -17,6 +17,7 @@ from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.workers.attention import AttentionBackend, AttentionMetadata, SeqSpan, to_device
 from kvflow.workers.cuda_graphs import DecodeGraphs
+from kvflow.workers.draft_model import Drafter
 from kvflow.workers.models.llama import LlamaForCausalLM
 from kvflow.workers.sampler import Sampler, SamplingBatch
 
@@ -54,7 +55,8 @@ class WorkerTimes:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, sampler: Sampler,
-                 is_driver: bool, device: torch.device, dtype: torch.dtype) -> None:
+                 is_driver: bool, device: torch.device, dtype: torch.dtype,
+                 drafter: Drafter | None = None) -> None:
         self.model = model
         self.dtype = dtype
         self.backend = backend             # cache layout, attention metadata and kernels
@@ -66,6 +68,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.times = WorkerTimes()
         self._byte_bias: torch.Tensor | None = None   # structured outputs' mask expansion
+        # Speculative decoding with a draft model (workers/draft_model.py): it proposes the
+        # drafts that the plan counts; without one they come in the plan (ngram).
+        self.drafter = drafter
 
     def apply_plan(self, plan: StepPlan) -> None:
         for request_id in plan.forget_ids:
@@ -86,9 +91,11 @@ class ModelRunner:
         the logits are computed (in the cluster they arrive while the forward runs)."""
         t0 = time.perf_counter()
         self.apply_plan(plan)
+        drafts = (plan.spec_token_ids if self.drafter is None
+                  else self.drafter.propose(plan, self.requests))
         if not plan.scheduled_ids:
             return StepResult([], [])
-        inputs = self.prepare(plan)
+        inputs = self.prepare(plan, drafts)
         t1 = time.perf_counter()
         hidden = self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
@@ -102,7 +109,7 @@ class ModelRunner:
                                             logits.shape[-1])
             ids, logprobs = self.sampler(logits, sampling)
             result = StepResult(inputs.sampled_request_ids, ids, logprobs)
-            if plan.spec_token_ids:
+            if plan.num_spec_tokens:
                 result = self._accept(result, inputs.drafts)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
@@ -114,7 +121,9 @@ class ModelRunner:
     def _accept(result: StepResult, drafts: list[list[int]]) -> StepResult:
         """Speculative decoding: each request's rows hold the samples after its last token
         and after each draft; keep the accepted prefix plus one (speculative.accept)."""
-        ids, logprobs, counts = [], [] if result.logprobs is not None else None, []
+        ids: list[int] = []
+        counts: list[int] = []
+        logprobs: list[dict[int, float]] | None = [] if result.logprobs is not None else None
         row = 0
         for request_drafts in drafts:
             rows = len(request_drafts) + 1
@@ -167,7 +176,9 @@ class ModelRunner:
 
     # --- input preparation -------------------------------------------------------------
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, spec_token_ids: dict[str, list[int]] | None = None
+                ) -> StepInputs:
+        """The step's tensors; `spec_token_ids`: each drafting request's drafts."""
         block_size = self.block_size
         input_ids, positions, slots = [], [], []
         decodes: list[SeqSpan] = []
@@ -178,7 +189,7 @@ class ModelRunner:
         row = 0
         for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens):
             state = self.requests[request_id]
-            drafts = plan.spec_token_ids.get(request_id, []) if plan.spec_token_ids else []
+            drafts = spec_token_ids.get(request_id, []) if spec_token_ids else []
             start = state.num_computed_tokens
             end = start + n
             pos = np.arange(start, end)

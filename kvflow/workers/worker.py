@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from kvflow.config import EngineConfig, auto_kv_cache_gb
+from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
+from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.ops import Ops, choose_ops
@@ -59,7 +60,8 @@ class Worker:
         self.tp = tp or TPGroup()
         self.device, self.dtype = self._place()
         self.kv_cache, self.ops = self._choose_implementations()
-        self.model = self._build_model()
+        self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
+        self.drafter = self._build_drafter()
         self.runner = self._make_runner()
         self.num_blocks = self._allocate_kv_cache()
         self.use_cuda_graphs = self.ops.name == "compiled" and self.backend.supports_cuda_graphs
@@ -92,32 +94,62 @@ class Worker:
         ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager, cfg.quantization)
         return KVCache(backend, num_layers), ops
 
-    def _build_model(self) -> LlamaForCausalLM:
-        model_cfg = self.config.model
+    def _build_model(self, model_cfg: ModelConfig, tp: TPGroup, kv_cache: KVCache
+                     ) -> LlamaForCausalLM:
+        """The target model, or the draft model (speculative decoding), built and loaded."""
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with self.device:
-                model = MODELS[model_cfg.architecture](model_cfg.hf_config, self.tp, self.ops,
-                                                       self.kv_cache)
+                model = MODELS[model_cfg.architecture](model_cfg.hf_config, tp, self.ops,
+                                                       kv_cache)
         finally:
             torch.set_default_dtype(default_dtype)
         if model_cfg.load_format == "dummy":
-            init_dummy(model, self.config.seed + self.tp.rank)
+            init_dummy(model, self.config.seed + tp.rank)
         else:
             load_safetensors(model, model_cfg.path)
         if self.config.quantization == "int8":      # SmoothQuant before quantizing
             pairs = model.smoothing_pairs()
             ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)
-            smooth(pairs, input_absmax(model, self.kv_cache, [p.consumer for p in pairs], ids))
+            smooth(pairs, input_absmax(model, kv_cache, [p.consumer for p in pairs], ids))
         model.finish_loading()
         return model.eval()
+
+    def _build_drafter(self) -> Drafter | None:
+        """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own
+        KV cache (allocated with the target's, on the same block ids); other ranks receive
+        its tokens (workers/draft_model.py)."""
+        spec = self.config.speculative
+        if spec is None or spec.draft is None:
+            return None
+        if self.tp.rank != 0:
+            return DraftReceiver(self.tp, self.device)
+        num_layers, num_kv_heads, head_dim = MODELS[spec.draft.architecture].kv_cache_spec(
+            spec.draft.hf_config, TPGroup())
+        backend = make_backend(self.backend.name, self.config.cache.block_size, num_kv_heads,
+                               head_dim, self.dtype, self.device)
+        kv_cache = KVCache(backend, num_layers)
+        model = self._build_model(spec.draft, TPGroup(), kv_cache)
+        return DraftModel(model, kv_cache, self.ops.argmax, self.device, self.tp)
+
+    @property
+    def _kv_caches(self) -> list[KVCache]:
+        """The KV caches this rank allocates, on the same block ids: the target's, and the
+        draft model's on rank 0."""
+        if isinstance(self.drafter, DraftModel):
+            return [self.kv_cache, self.drafter.kv_cache]
+        return [self.kv_cache]
+
+    @property
+    def _bytes_per_block(self) -> int:
+        return sum(cache.bytes_per_block for cache in self._kv_caches)
 
     def _make_runner(self) -> ModelRunner:
         sampler = Sampler(self.config.seed, self.device, self.ops.argmax,
                           self.config.model.eos_token_ids)
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
-                           self.dtype)
+                           self.dtype, self.drafter)
 
     def _log_choices(self) -> None:
         logger.info("rank %d: device %s, attention backend %s%s, ops %s%s, linear %s",
@@ -130,10 +162,12 @@ class Worker:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self._num_blocks()
-        self.kv_cache.allocate(num_blocks)
-        logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB)", self.tp.rank, num_blocks,
-                    self.config.cache.block_size,
-                    num_blocks * self.kv_cache.bytes_per_block / 2**30)
+        for cache in self._kv_caches:
+            cache.allocate(num_blocks)
+        logger.info("rank %d: %d KV blocks of %d tokens (%.2f GiB%s)", self.tp.rank,
+                    num_blocks, self.config.cache.block_size,
+                    num_blocks * self._bytes_per_block / 2**30,
+                    ", the draft model's included" if len(self._kv_caches) > 1 else "")
         return num_blocks
 
     def _num_blocks(self) -> int:
@@ -141,10 +175,10 @@ class Worker:
         if gb is None and self.device.type == "cuda":
             return self._profile_num_blocks()
         gb = gb or auto_kv_cache_gb()
-        num_blocks = int(gb * 2**30 // self.kv_cache.bytes_per_block)
+        num_blocks = int(gb * 2**30 // self._bytes_per_block)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_gb={gb} holds no KV block "
-                             f"({self.kv_cache.bytes_per_block} bytes each)")
+                             f"({self._bytes_per_block} bytes each)")
         return num_blocks
 
     def _profile_num_blocks(self) -> int:
@@ -166,7 +200,7 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free               # weights, CUDA context, other processes
         budget = total * util - in_use - peak_activations
-        num_blocks = int(budget // self.kv_cache.bytes_per_block)
+        num_blocks = int(budget // self._bytes_per_block)
         logger.info("rank %d: %.2f GiB of GPU memory, %.2f GiB in use, %.2f GiB peak "
                     "activations: %.2f GiB for the KV cache at gpu_memory_utilization=%.2f",
                     self.tp.rank, total / 2**30, in_use / 2**30, peak_activations / 2**30,
