@@ -289,6 +289,18 @@ def test_poor_acceptance_pauses_a_request() -> None:
     assert spec.propose(r, 10) == (0, [])
     r.token_ids += [2] * PAUSE_TOKENS          # the pause is over
     assert spec.propose(r, 10) == (1, [2])     # the latest match of 2,2,2 is one token back
+    spec.record(r, 1, 0)                       # the try fails: a pause twice as long
+    r.token_ids += [2] * (2 * PAUSE_TOKENS - 1)
+    assert spec.propose(r, 10) == (0, [])
+    r.token_ids += [2]
+    assert spec.propose(r, 10) == (1, [2])
+    spec.record(r, 1, 1)                       # accepted: the next pause is short again
+    for _ in range(6):
+        spec.record(r, 2, 0)
+        if spec.propose(r, 10) == (0, []):
+            break
+    r.token_ids += [2] * PAUSE_TOKENS
+    assert spec.propose(r, 10) == (1, [2])
     assert spec.propose(r, 0) == (0, [])       # no budget left
     short = Request("s", [1, 2, 1, 2, 1], SamplingParams(max_tokens=500))
     assert Speculator(spec_config(k=2), max_model_len=6).propose(short, 10) == (1, [2])
@@ -577,6 +589,30 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_pair: tuple[str, st
         assert token_ids(llm, TINY_PROMPTS, params) == reference
         assert llm.last_stats.num_preemptions > 0 and llm.last_stats.num_total_blocks == 6
         assert accepted_fraction(llm, EngineStats()) == 1.0
+
+
+def test_a_draft_that_skipped_decodes_catches_up_exactly(tiny_pair: tuple[str, str]) -> None:
+    """Two requests decode side by side, above the batch-size limit, so the draft skips
+    their decodes; a third request reuses the first one's output blocks from the prefix
+    cache. With the target as its own draft every draft is still accepted: the draft
+    recomputes what it skipped (in the first request's blocks too) before it drafts."""
+    from kvflow import LLM
+    target, _ = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with LLM(target, dtype=DTYPE, in_process=True, kv_cache_memory_gb=0.05,
+             speculative_config={"model": target, "num_speculative_tokens": 3,
+                                 "disable_by_batch_size": 1}) as llm:
+        first, _ = llm.generate([[5] * 20, [9] * 20], params, use_tqdm=False)
+        assert llm.last_stats.spec_num_draft_tokens == 0          # two running: no drafts
+        follow_up = [5] * 20 + first.token_ids
+        [ref] = llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=30,
+                                                         ignore_eos=True), use_tqdm=False)
+        assert ref.num_cached_tokens >= 48                   # blocks of the first's output
+        assert accepted_fraction(llm, EngineStats()) == 1.0
+    with LLM(target, dtype=DTYPE, in_process=True, kv_cache_memory_gb=0.05) as plain_llm:
+        [plain_ref] = plain_llm.generate([follow_up], SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert ref.token_ids == plain_ref.token_ids
 
 
 def test_draft_model_under_tensor_parallel_2(tiny_pair: tuple[str, str]) -> None:

@@ -28,7 +28,9 @@ with its new tokens, so a lookup costs O(max - min) dict probes, not a scan of i
 When drafting costs more than it brings, it stops: no drafts in a step with more running
 requests than `disable_by_batch_size` (the step is compute-bound there, and every rejected
 draft costs a full token of work), and a request whose recent acceptance rate falls below
-`min_acceptance_rate` stops drafting for PAUSE_TOKENS tokens, then tries again.
+`min_acceptance_rate` stops drafting for PAUSE_TOKENS tokens, then tries again; each pause
+that follows a failed try is twice as long (up to MAX_PAUSE_TOKENS), so a request whose
+drafts never fit costs almost nothing; a try that is accepted resets it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 
 PAUSE_TOKENS = 32           # a request with poor acceptance drafts again after this many tokens
+MAX_PAUSE_TOKENS = 512      # ... doubled after each failed try, up to this
 EMA_WEIGHT = 0.3            # of the latest verification in a request's acceptance rate
 
 
@@ -79,6 +82,7 @@ class _RequestSpec:
                       if config.method == "ngram" else None)
         self.acceptance = 1.0           # recent acceptance rate (an EMA over verifications)
         self.paused_until = 0           # no drafts until num_output_tokens reaches this
+        self.pause = PAUSE_TOKENS       # the next pause's length
 
 
 class Speculator:
@@ -128,8 +132,11 @@ class Speculator:
         assert spec is not None
         spec.acceptance += EMA_WEIGHT * (num_accepted / num_drafts - spec.acceptance)
         if spec.acceptance < self.config.min_acceptance_rate:
-            spec.paused_until = request.num_output_tokens + PAUSE_TOKENS
+            spec.paused_until = request.num_output_tokens + spec.pause
+            spec.pause = min(2 * spec.pause, MAX_PAUSE_TOKENS)
             spec.acceptance = self.config.min_acceptance_rate    # one good round resumes it
+        elif num_accepted:
+            spec.pause = PAUSE_TOKENS
 
     def stats(self) -> dict:
         """The EngineStats fields of speculative decoding."""

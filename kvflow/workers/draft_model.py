@@ -9,17 +9,22 @@ target's cache and the draft's in the draft's. So the block manager, the prefix 
 preemption serve both, and a block costs both models' bytes (on rank 0).
 
 `DraftModel.propose` runs, each step:
-  1. one forward of the draft over every scheduled request's known tokens that the draft has
-     not computed: a prefill chunk (the target's chunk), a decode's last token, and after a
-     verification the accepted tokens the draft had not fed itself;
+  1. one forward of the draft over the known tokens it has not computed, for every request
+     that drafts this step or computes a prefill chunk: the chunk itself, or a drafting
+     decode's last token plus whatever it missed (accepted drafts it had not fed itself,
+     tokens decoded while it did not draft). A plain decode skips the draft, so a request
+     that is not drafting (paused for poor acceptance, or a large batch) costs nothing here;
   2. for the requests that draft this step, the argmax at their last row is the first draft,
      and k - 1 one-token forwards, each fed the draft before, give the rest.
-The draft's KV therefore follows the target's (a block from the prefix cache holds the
-draft's KV too), and positions it fed with drafts that were then rejected are written again
-once their real tokens come. Drafts are argmaxes: a one-hot proposal, which the target's
-acceptance turns into exact rejection sampling and which keeps a seeded request's tokens the
-same with and without speculation. (A draft sampled from its distribution would be accepted
-more often at high temperature, but would change which uniform decides each token.)
+Blocks where the target has KV that the draft may lack are kept in `stale`; a request that
+reuses blocks from the prefix cache trusts the draft's KV only up to the first stale one, so
+the draft's KV is right wherever it is read, and positions fed with drafts that were then
+rejected are written again once their real tokens come. Drafts are argmaxes: a one-hot
+proposal, which the target's acceptance turns into exact rejection sampling and which keeps a
+seeded request's tokens the same with and without speculation. (A draft sampled from its
+distribution would be accepted more often at high temperature, but would change which
+uniform decides each token.) A catch-up is one forward of all the tokens it missed, however
+many: the price of a draft that skips plain decodes.
 
 With tensor parallelism the draft runs unsharded on rank 0 alone, and the other ranks receive
 its tokens in one broadcast per step (`DraftReceiver`): every rank must feed the target the
@@ -77,25 +82,35 @@ class DraftModel:
         self.tp = tp
         self.computed: dict[str, int] = {}       # tokens whose draft KV is right
         self.fed: dict[str, list[int]] = {}      # drafts fed after those, not yet confirmed
+        self.clean: dict[str, int] = {}          # leading blocks already taken off `stale`
+        # Blocks where the target may have KV that the draft lacks (the draft skipped those
+        # decode steps): a request reusing them from the prefix cache recomputes the
+        # draft's KV from the first of them.
+        self.stale: set[int] = set()
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, requests: Mapping[str, RequestTokens]
                 ) -> dict[str, list[int]]:
         """The drafts of every request in `plan.num_spec_tokens` (the model runner has
         applied the plan to `requests` already)."""
-        self._follow(plan)
+        self._follow(plan, requests)
+        scheduled = list(zip(plan.scheduled_ids, plan.num_scheduled_tokens))
+        # A plain decode skips the draft, which catches up when that request drafts again.
         spans = [self._span(request_id, n, plan.num_spec_tokens.get(request_id, 0),
                             requests[request_id])
-                 for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens)]
-        if not spans:
-            return {}
+                 for request_id, n in scheduled
+                 if n > 1 or request_id in plan.num_spec_tokens]
         drafting = [s for s in spans if s.num_drafts]
-        self._forward_known(spans, drafting, requests)
+        if spans:
+            self._forward_known(spans, drafting, requests)
         for j in range(1, max((s.num_drafts for s in drafting), default=0)):
             self._forward_drafts([s for s in drafting if s.num_drafts > j], j)
         for s in spans:
             self.computed[s.request_id] = s.end
             self.fed[s.request_id] = s.drafts[:-1]
+        for request_id, n in scheduled:       # the target's KV after this step, drafts too
+            state = requests[request_id]
+            self._mark(request_id, state.block_ids, state.num_computed_tokens + n)
         drafts = {s.request_id: s.drafts for s in drafting}
         if self.tp.size > 1 and drafting:
             flat = torch.tensor([t for s in drafting for t in s.drafts], dtype=torch.int64,
@@ -103,15 +118,31 @@ class DraftModel:
             dist.broadcast(flat, src=0, group=self.tp.group)
         return drafts
 
-    def _follow(self, plan: StepPlan) -> None:
+    def _follow(self, plan: StepPlan, requests: Mapping[str, RequestTokens]) -> None:
         """Forget what the workers forget; a new (or preempted and resumed) request's draft
-        KV is its prefix-cache hits, like the target's."""
+        KV is its prefix-cache hits up to the first stale block."""
         for request_id in plan.forget_ids:
-            self.computed.pop(request_id, None)
-            self.fed.pop(request_id, None)
+            for state in (self.computed, self.fed, self.clean):
+                state.pop(request_id, None)
         for new in plan.new_requests:
-            self.computed[new.request_id] = new.num_computed_tokens
+            fresh = 0
+            while fresh < len(new.block_ids) and new.block_ids[fresh] not in self.stale:
+                fresh += 1
+            self.computed[new.request_id] = min(new.num_computed_tokens,
+                                                fresh * self.block_size)
             self.fed[new.request_id] = []
+            self.clean[new.request_id] = 0
+
+    def _mark(self, request_id: str, block_ids: list[int], target_end: int) -> None:
+        """The target has (or may have, for drafts) KV below `target_end`, the draft below
+        its `computed`: the blocks in between are stale, those wholly below are not."""
+        bs, computed = self.block_size, self.computed[request_id]
+        clean = self.clean[request_id]
+        if computed // bs > clean:
+            self.stale.difference_update(block_ids[clean:computed // bs])
+            self.clean[request_id] = computed // bs
+        if target_end > computed:
+            self.stale.update(block_ids[computed // bs:-(-target_end // bs)])
 
     def _span(self, request_id: str, n: int, num_drafts: int, state: RequestTokens) -> _Span:
         end = state.num_computed_tokens + n - num_drafts       # known tokens after this step
