@@ -1,12 +1,16 @@
-"""How close quantization="int8" (W8A8) stays to float32 on the default model.
+"""How close quantization="int8" stays to float32 on the default model.
 
-For each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 with
-float32 or bfloat16 activations; int8 without SmoothQuant, workers/smoothing.py) is compared
+int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8A8 (8-bit
+activations, or 7-bit on CPUs without VNNI), decode steps of a few tokens weight-only. For
+each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 W8A8 with
+float32 or bfloat16 activations, 7-bit activations, without SmoothQuant
+(workers/smoothing.py); int8 weight-only, the decode path, for every product) is compared
 with float32 in two ways:
 - teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
   whether the variant's argmax is float32's token, and |logprob difference| of that token;
 - free-running: the variant's own greedy tokens; how many equal float32's before the first
-  divergence.
+  divergence. All prompts run as one batch (decode steps of 10 rows: W8A8), and one at a time
+  ("alone": decodes weight-only, as a single user gets them).
 
     python benchmarks/int8_quality.py [--max-tokens 64]
 """
@@ -26,6 +30,8 @@ from kvflow import LLM, SamplingParams                                    # noqa
 from kvflow.config import make_engine_config                              # noqa: E402
 from kvflow.frontend.model_files import ensure_default_model              # noqa: E402
 from kvflow.workers.hardware import cpu_flags, cpu_model                  # noqa: E402
+from kvflow.workers.layers import ops as ops_module                       # noqa: E402
+from kvflow.workers.layers.linear import activation_levels                # noqa: E402
 from kvflow.workers.models.llama import LlamaForCausalLM                  # noqa: E402
 from kvflow.workers.smoothing import prefill_logits                      # noqa: E402
 from kvflow.workers.worker import Worker                                  # noqa: E402
@@ -45,7 +51,19 @@ PROMPTS = [
 VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
             "int8, no SmoothQuant": dict(dtype="float32", quantization="int8"),
             "int8 (float32 activations)": dict(dtype="float32", quantization="int8"),
-            "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8")}
+            "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8"),
+            "int8, 7-bit activations": dict(dtype="float32", quantization="int8"),
+            "int8 weight-only everywhere": dict(dtype="float32", quantization="int8")}
+
+
+def patched(name: str) -> None:
+    """What a variant changes: SmoothQuant off, 7-bit activations (as on CPUs without
+    VNNI), or every product on the weight-only decode path."""
+    from kvflow.workers.layers import linear, ops
+    LlamaForCausalLM.smoothing_pairs = (                      # type: ignore[method-assign]
+        (lambda self: []) if "no SmoothQuant" in name else smoothing_pairs)
+    linear.activation_levels = (lambda flags: 63) if "7-bit" in name else ACTIVATION_LEVELS
+    ops.GEMV_MAX_ROWS = 1 << 30 if "weight-only" in name else GEMV_MAX_ROWS
 
 
 @dataclass
@@ -60,16 +78,24 @@ def log_probs(worker: Worker, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(prefill_logits(worker.model, worker.kv_cache, ids).float(), dim=-1)
 
 
-def generate(path: str, prompts: list[list[int]], max_tokens: int, **options: object
-             ) -> list[list[int]]:
+def generate(path: str, prompts: list[list[int]], max_tokens: int, alone: bool = False,
+             **options: object) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(path, kv_cache_memory_gb=0.2, in_process=True,
              **options) as llm:                                         # type: ignore[arg-type]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                    ignore_eos=True), use_tqdm=False)
-    return [o.token_ids for o in outs]
+        if alone:
+            return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def prefix_share(free: list[list[int]], reference: list[list[int]]) -> float:
+    return float(np.mean([next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r))
+                          / len(r) for f, r in zip(free, reference)]))
 
 
 smoothing_pairs = LlamaForCausalLM.smoothing_pairs
+ACTIVATION_LEVELS = activation_levels
+GEMV_MAX_ROWS = ops_module.GEMV_MAX_ROWS
 
 
 def main() -> None:
@@ -87,17 +113,16 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     reference = generate(path, prompts, args.max_tokens, dtype="float32")
+    reference_alone = generate(path, prompts, args.max_tokens, alone=True, dtype="float32")
     base = Worker(make_engine_config(path, dtype="float32", kv_cache_memory_gb=0.05,
                                      device="cpu"))
     sequences = [p + r for p, r in zip(prompts, reference)]
     ref_lp = [log_probs(base, s) for s in sequences]
     print(f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens, against float32:")
     print(f"{'variant':30s} {'top-1 agree':>12s} {'mean |dlogprob|':>16s} "
-          f"{'free-run prefix':>16s}")
+          f"{'free-run prefix':>16s} {'alone':>7s}")
     for name, options in VARIANTS.items():
-        no_smoothing = "no SmoothQuant" in name
-        LlamaForCausalLM.smoothing_pairs = (                  # type: ignore[method-assign]
-            (lambda self: []) if no_smoothing else smoothing_pairs)
+        patched(name)
         worker = Worker(make_engine_config(path, kv_cache_memory_gb=0.05, device="cpu",
                                            **options))           # type: ignore[arg-type]
         agree, diffs = [], []
@@ -108,11 +133,12 @@ def main() -> None:
             agree.append((ours[rows].argmax(-1) == chosen).float())
             diffs.append((ours[rows, chosen] - lp[rows, chosen]).abs())
         free = generate(path, prompts, args.max_tokens, **options)
-        prefix = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r)) / len(r)
-                  for f, r in zip(free, reference)]
+        alone = generate(path, prompts, args.max_tokens, alone=True, **options)
         q = Quality(float(torch.cat(agree).mean()), float(torch.cat(diffs).mean()),
-                    float(np.mean(prefix)))
-        print(f"{name:30s} {q.top1:12.3f} {q.mean_abs_dlogprob:16.4f} {q.free_prefix:16.3f}")
+                    prefix_share(free, reference))
+        print(f"{name:30s} {q.top1:12.3f} {q.mean_abs_dlogprob:16.4f} {q.free_prefix:16.3f} "
+              f"{prefix_share(alone, reference_alone):7.3f}")
+    patched("")
 
 
 if __name__ == "__main__":

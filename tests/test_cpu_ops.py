@@ -255,3 +255,45 @@ def test_backend_choice_on_cpu() -> None:
     assert resolve_backend("torch", CPU, 16, torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot run: dtype"):
         resolve_backend("cpu", CPU, 16, torch.float16)
+
+
+# --- decode-shaped linears (cpu_gemv.c) -----------------------------------------------------
+
+GEMV_SHAPES = [(1, 576, 576), (7, 13, 33), (4, 960, 576), (16, 577, 1536), (3, 5, 3)]
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", ["same", torch.int8])
+@pytest.mark.parametrize("m,n,k", GEMV_SHAPES)
+def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object, m: int,
+                            n: int, k: int) -> None:
+    """x W^T + bias against float64 torch on the same operands: one row and seven, rows of
+    W not a multiple of the tile, K not a multiple of the vector width, a strided x; int8
+    weights with their row scales and SmoothQuant's input scale."""
+    x = torch.randn(m, 2 * k)[:, ::2].to(x_dtype)             # strided rows of x
+    bias = torch.randn(n)
+    if w_dtype == torch.int8:
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales, in_scale = torch.rand(n) / 50 + 1e-3, torch.rand(k) + 0.5
+        weight = w.double() * scales.double()[:, None]
+        xd = x.double() * in_scale.double()
+    else:
+        w, scales, in_scale = torch.randn(n, k).to(x_dtype), None, None
+        weight, xd = w.double(), x.double()
+    got = cpu_ops.gemv(x, w, scales, bias, in_scale=in_scale)
+    ref = xd @ weight.T + bias.double()
+    assert got.dtype == x_dtype and got.shape == (m, n)
+    scale = float(ref.abs().max())
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
+    else:                     # the sums in float32, one bf16 rounding of the output
+        torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
+    one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
+    assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
+
+
+def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    got = cpu_ops.gemv(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ w.float().T, atol=1e-4, rtol=1e-4)

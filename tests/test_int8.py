@@ -1,13 +1,17 @@
-"""quantization="int8" (W8A8, layers/linear.py Int8Linear): the per-token quantization kernel
-against its torch reference, the int8 linear against the float linear, and the default model
-end to end against HF transformers in float32 under docs/design.md §4's top-5 rule."""
+"""quantization="int8" (layers/linear.py Int8Linear: W8A8 for prefills and large batches,
+weight-only for decode steps): the per-token quantization kernel (8 and 7 bits) against its
+torch reference, the int8 linear against the float linear, 7-bit activations on oneDNN's
+AVX2 path and the engine as an AVX2 CPU runs it, and the default model end to end against
+HF transformers in float32."""
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_reference import assert_greedy_match, hf_greedy
 from kvflow import LLM, SamplingParams
 from kvflow.kernels import cpu_ops
 from kvflow.workers.layers.linear import (Int8Linear, quantize_rows_ref, quantize_weight,
@@ -17,21 +21,25 @@ pytestmark = pytest.mark.skipif(Int8Linear.works() is not None,
                                 reason=f"oneDNN int8 GEMM unavailable: {Int8Linear.works()}")
 
 
+@pytest.mark.parametrize("levels", [127, 63])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype) -> None:
+def test_quantize_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype,
+                                                levels: int) -> None:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 3 * 576, generator=gen) * 3).to(dtype)[:, :1000]   # strided rows
     x[5] = 0                                                               # a zero row
-    q, scales = cpu_ops.quantize_rows(x)
-    q_ref, scales_ref = quantize_rows_ref(x)
+    q, scales = cpu_ops.quantize_rows(x, levels)
+    q_ref, scales_ref = quantize_rows_ref(x, levels)
     torch.testing.assert_close(scales, scales_ref, rtol=1e-6, atol=0)
-    assert scales[5] == 1.0 and bool((q[5] == 128).all())
+    zero = levels + 1
+    assert scales[5] == 1.0 and bool((q[5] == zero).all())
+    assert int(q.min()) >= 1 and int(q.max()) <= 2 * levels + 1
     # Only values within rounding of a half step may round the other way (-ffast-math's
     # reciprocal; bf16 inputs land near halves more often): by one, rarely.
     diff = (q.int() - q_ref.int()).abs()
-    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= x.numel() // 1000
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= x.numel() // 400
     # Dequantized, every row is within half a step of x.
-    back = (q.float() - 128) * scales.unsqueeze(1)
+    back = (q.float() - zero) * scales.unsqueeze(1)
     assert bool(((back - x.float()).abs() <= scales.unsqueeze(1) * 0.5 + 1e-6).all())
 
 
@@ -78,24 +86,35 @@ def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # ty
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
-           "Write a haiku about the sea.", "1, 2, 3, 5, 8, 13, 21,"]
+           "Write a haiku about the sea.", "1, 2, 3, 5, 8, 13, 21,",
+           "Explain in one paragraph why the sky is blue.", "A recipe for pancakes:\n1."]
 
 
 def test_default_model_int8_tracks_float32_hf(default_model: str) -> None:
-    """Greedy int8 tokens equal HF float32's up to the first divergence, and there each
-    side's token is in the other's top-5; int8 keeps most tokens of the float model."""
-    max_tokens = 16
-    with LLM(default_model, quantization="int8", dtype="float32", kv_cache_memory_gb=0.1) as llm:
+    """int8's own greedy tokens, scored by HF float32 on the same prefixes (one forward over
+    prompt + output): at every position int8's token is one of HF's top 5 and the two
+    logprobs of it are close. Batched (decode steps of six rows: W8A8) and alone (decodes
+    weight-only). Per position, so one near-tie does not cascade as counting tokens before
+    the first divergence from HF's own greedy run would."""
+    from transformers import AutoModelForCausalLM
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+    with LLM(default_model, quantization="int8", dtype="float32", kv_cache_memory_gb=0.1,
+             in_process=True) as llm:
         prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-        outs = llm.generate(prompts,
-                            SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5,
-                                           ignore_eos=True))
-    refs = hf_greedy(default_model, prompts, max_tokens)
-    exact = 0
-    for out, ref in zip(outs, refs):
-        assert out.logprobs is not None
-        exact += assert_greedy_match(out.token_ids, out.logprobs, ref)
-    assert exact >= 0.5 * len(PROMPTS) * max_tokens, exact
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs += [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    in_top5, diffs = [], []
+    for prompt, out in zip(prompts * 2, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)      # predicting outputs
+        for i, token in enumerate(out.token_ids):
+            in_top5.append(token in lp[i].topk(5).indices.tolist())
+            assert out.logprobs is not None
+            diffs.append(abs(out.logprobs[i][token] - float(lp[i, token])))
+    assert sum(in_top5) >= 0.98 * len(in_top5), sum(in_top5) / len(in_top5)
+    assert float(np.mean(diffs)) < 0.2, float(np.mean(diffs))
 
 
 @pytest.mark.parametrize("arch", ["default", "qwen2"])
@@ -161,14 +180,80 @@ def test_int8_under_tensor_parallelism(tiny_models: dict[str, str]) -> None:
     assert exact >= len(prompts) * 4, exact
 
 
-def test_int8_refused_without_vnni(default_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX2 CPU without VNNI would saturate oneDNN's 16-bit partial sums: a clear error,
-    not wrong tokens."""
+def test_a_cpu_without_vnni_runs_int8_with_7_bit_activations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VNNI (faked flags here) activations are quantized to 7 bits around 64, so no
+    pair of u8 x s8 products can saturate a 16-bit sum; results stay close to the float
+    layer."""
     from kvflow.workers.layers import linear
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert "VNNI" in (Int8Linear.works() or "")
-    from kvflow.config import make_engine_config
-    from kvflow.workers.worker import Worker
-    with pytest.raises(ValueError, match="quantization='int8' cannot run: .*VNNI"):
-        Worker(make_engine_config(default_model, quantization="int8", device="cpu",
-                                  kv_cache_memory_gb=0.02))
+    method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)
+    assert method.levels == 63 and "W8A7" in method.name
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 576, generator=gen), torch.randn(9, 576, generator=gen)
+    q, _ = cpu_ops.quantize_rows(x, 63)
+    assert int(q.max()) <= 127 and int(q.min()) >= 1
+    ref_q, _ = quantize_rows_ref(x, 63)
+    assert torch.equal(q, ref_q)
+    got, ref = method.apply(x, w, method.prepare(w)), torch.nn.functional.linear(x, w)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+AVX2_CHECK = """
+import torch, sys
+from kvflow.workers.layers.linear import Int8Linear
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(64, 576, generator=gen)
+w[:, ::2] = w.abs().max()                     # pairs of large weights, the worst case
+x = torch.randn(8, 576, generator=gen).abs()
+x[:, ::2] = x.max()                           # ... against pairs of the largest inputs
+errors = []
+for levels in (63, 127):
+    method = Int8Linear(levels=levels)
+    got, ref = method.apply(x, w, method.prepare(w)), torch.nn.functional.linear(x, w)
+    errors.append(float((got - ref).abs().max() / ref.abs().max()))
+print(errors[0], errors[1])
+"""
+
+
+def test_oneDNN_avx2_int8_does_not_saturate_with_7_bit_activations() -> None:
+    """oneDNN's own AVX2 code path (ONEDNN_MAX_CPU_ISA=AVX2, in a fresh process): 8-bit
+    activations saturate its 16-bit pair sums, 7-bit ones are exact up to rounding."""
+    import subprocess
+    import sys
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seven, eight = map(float, done.stdout.split())
+    assert seven < 0.03, seven
+    assert eight > 0.05, eight            # saturated (natively both are ~2e-4)
+
+
+def test_int8_runs_as_an_avx2_cpu_runs_it(default_model: str) -> None:
+    """The whole engine as on an AVX2-only CPU (faked flags, oneDNN and torch at AVX2, the
+    kernels built without AVX-512): int8 runs, and its greedy tokens are HF float32's top-5
+    choices."""
+    import subprocess
+    import sys
+    script = (
+        "from kvflow import LLM, SamplingParams\n"
+        f"with LLM({default_model!r}, quantization='int8', dtype='float32',"
+        " kv_cache_memory_gb=0.1) as llm:\n"
+        "    o = llm.generate(['The capital of France is'], SamplingParams(temperature=0,"
+        " max_tokens=8, ignore_eos=True), use_tqdm=False)[0]\n"
+        "print(' '.join(map(str, o.token_ids)))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
+               KVFLOW_KERNEL_ISA="avx2", KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokens = [int(t) for t in done.stdout.split()]
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    from tokenizers import Tokenizer
+    prompt = Tokenizer.from_file(os.path.join(default_model, "tokenizer.json")).encode(
+        "The capital of France is").ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    assert all(t in row.topk(5).indices.tolist() for t, row in zip(tokens, logits))

@@ -69,7 +69,7 @@ static inline void prefetch_runs(const void *k_head, const void *v_head, const i
 static inline __attribute__((always_inline)) void NAME(                                       \
         const float *qf, const T *k_head, const T *v_head, const int32_t *table, int64_t ctx, \
         int64_t block_size, const int64_t group, const int64_t D, float *scores, float *acc) {\
-    float maxs[MAX_GROUP], kf[D];                                                              \
+    float maxs[MAX_GROUP], kf[D] __attribute__((aligned(64)));                                 \
     for (int64_t g = 0; g < group; g++) maxs[g] = -FLT_MAX;                                   \
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
@@ -284,7 +284,9 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     for (int64_t task = 0; task < num_entries * num_kv_heads; task++) {                       \
         const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;                  \
         const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
-        float *qf = malloc(sizeof(float) * (size_t)(group * (2 * D + ctx16)));               \
+        /* 64-byte aligned (D, ctx16 multiples of 16): the vectorised loops over this scratch \
+         * then sum in the same order whichever thread's heap it comes from. */               \
+        float *qf = aligned_alloc(64, sizeof(float) * (size_t)(group * (2 * D + ctx16)));     \
         if (qf == NULL) {                                                                     \
             _Pragma("omp atomic write")                                                       \
             failed = 1;                                                                       \
@@ -464,12 +466,15 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {  
     }                                                                                         \
 }
 
-/* Per-token (row) int8 quantization of a linear layer's input, for oneDNN's u8 x s8 GEMM
- * (layers/linear.py, Int8Linear): scale = max|x| / 127 (1 for an all-zero row),
- * q = round(x / scale) + 128 as uint8, so the zero point is 128 for every row and the
- * per-row scale is applied to the GEMM's output. */
+/* Per-token (row) quantization of a linear layer's input, for oneDNN's u8 x s8 GEMM
+ * (layers/linear.py, Int8Linear): scale = max|x| / levels (1 for an all-zero row),
+ * q = round(x / scale) + levels + 1 as uint8, so the zero point is levels + 1 for every row
+ * and the per-row scale is applied to the GEMM's output. levels = 127: 8 bits (zero point
+ * 128); 63: 7 bits (zero point 64), for CPUs without VNNI, whose u8 x s8 multiply sums
+ * pairs into saturating 16 bits (two 7-bit x 8-bit products always fit). */
 #define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                   \
-void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales) { \
+void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales, \
+          int64_t levels) {                                                                   \
     PARALLEL_IF(rows * n)                                                                     \
     for (int64_t r = 0; r < rows; r++) {                                                      \
         const T *xr = x + r * stride;                                                         \
@@ -477,11 +482,12 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, flo
         float m = 0.0f;                                                                       \
         _Pragma("omp simd reduction(max:m)")                                                  \
         for (int64_t i = 0; i < n; i++) { const float v = fabsf(LOAD(xr[i])); m = v > m ? v : m; } \
-        const float scale = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / scale;                 \
+        const float scale = m > 0.0f ? m / (float)levels : 1.0f, inv = 1.0f / scale;          \
+        const float zero = (float)(levels + 1);                                               \
         scales[r] = scale;                                                                    \
         _Pragma("omp simd")                                                                   \
         for (int64_t i = 0; i < n; i++)                                                       \
-            o[i] = (uint8_t)(int32_t)(nearbyintf(LOAD(xr[i]) * inv) + 128.0f);                \
+            o[i] = (uint8_t)(int32_t)(nearbyintf(LOAD(xr[i]) * inv) + zero);                  \
     }                                                                                         \
 }
 

@@ -37,8 +37,17 @@ from kvflow.config import cache_dir
 
 logger = logging.getLogger("kvflow.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# One library from these sources: cpu_ops.c (attention, elementwise ops, argmax,
+# quantization), cpu_gemv.c (decode-shaped linears) and cpu_decode.c (a decode step's layers
+# in one call, workers/fused_decode.py).
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.c", "cpu_gemv.c",
+                                                         "cpu_decode.c")]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked apart, without -ffast-math: with it, GCC links crtfastmath.o into the library, whose
+# constructor turns on flush-to-zero and denormals-are-zero in the thread that loads it. That
+# changed torch's float math in that thread and not in the OpenMP threads started before, so
+# results depended on which thread ran a task (2 threads: a 6e-3 logprob jitter between runs).
+LINK_FLAGS = ["-shared", "-fopenmp"]
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 _lock = threading.Lock()
@@ -46,11 +55,16 @@ _state: dict[str, object] = {}
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on first use; None when it cannot be built."""
+    """The compiled kernel library, built on first use; None when it cannot be built.
+    $KVFLOW_KERNEL_ISA (an ISA_FLAGS key) builds it for less than this CPU has."""
     with _lock:
         if "lib" not in _state:
             try:
-                _state["lib"] = _load(_build())
+                isa = os.environ.get("KVFLOW_KERNEL_ISA", "native")
+                if isa not in ISA_FLAGS:
+                    raise RuntimeError(f"KVFLOW_KERNEL_ISA={isa!r} is not one of "
+                                       f"{list(ISA_FLAGS)}")
+                _state["lib"] = _load(_build(ISA_FLAGS[isa]))
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 _state["lib"], _state["error"] = None, f"{type(exc).__name__}: {exc}"
                 logger.warning("CPU kernels unavailable (%s); using pure torch",
@@ -93,8 +107,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
         raise RuntimeError(f"no C compiler: {compiler!r} not on PATH (set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.blake2b(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+    sources = [path.read_bytes() for path in SOURCES]
+    key = hashlib.blake2b(b"\0".join([*sources, " ".join(flags + LINK_FLAGS).encode(),
+                                      version.encode(),
                                       _cpu_id().encode()]), digest_size=8).hexdigest()
     cache = Path(cache_dir())
     target = cache / "kernels" / f"cpu_ops-{key}.so"
@@ -103,10 +118,14 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        commands = [[compiler, *flags, "-c", str(source), "-o", obj]
+                    for source, obj in zip(SOURCES, objects)]
+        commands.append([compiler, *LINK_FLAGS, "-o", str(built), *objects, "-lm"])
+        for command in commands:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)            # atomic: concurrent builders race harmlessly
     logger.info("built the CPU kernels: %s", target)
     return target
@@ -123,7 +142,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
         "argmax": (None, [ptr, i64, i64, i64, ptr]),
-        "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr]),
+        "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr, i64]),
         "scale_rows": (None, [ptr, i64, i64, ptr, ptr, ptr]),
     }
     for op, (restype, argtypes) in signatures.items():
@@ -132,6 +151,10 @@ def _load(path: Path) -> ctypes.CDLL:
             fn.restype, fn.argtypes = restype, argtypes
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
     lib.store_kv.restype, lib.store_kv.argtypes = ctypes.c_int, store_argtypes
+    i32 = ctypes.c_int
+    gemv_argtypes: list[Any] = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, ptr, i64, i64, ptr, i32,
+                                i64]
+    lib.gemv.restype, lib.gemv.argtypes = ctypes.c_int, gemv_argtypes
     return lib
 
 
@@ -217,15 +240,49 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row int8 quantization for Int8Linear (layers/linear.py): uint8 rows with zero point
-    128 and float32 scales [rows], x ~ (q - 128) * scale; `quantize_rows_ref` is the reference."""
+GEMV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+         in_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(x * in_scale) W^T (+ bias) for a few rows of x, streaming W once (cpu_gemv.c):
+    x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
+    `scales` [N] float32: W ~ int8 * scale per row); in_scale [K] float32 or None; bias [N]
+    float32 or None. Out: [..., N] in out_dtype (x's)."""
+    k = x.shape[-1]
+    rows, stride = _rows(x, k)
+    n = weight.shape[0]
+    assert weight.is_contiguous() and weight.shape == (n, k) and weight.dtype in GEMV_TYPES
+    assert (scales is not None) == (weight.dtype == torch.int8)
+    assert scales is None or (scales.dtype == torch.float32 and scales.is_contiguous())
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    assert in_scale is None or (in_scale.dtype == torch.float32 and in_scale.shape == (k,)
+                                and in_scale.is_contiguous())
+    assert x.dtype in DTYPES
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+    lib = library()
+    assert lib is not None, build_error()
+    if lib.gemv(rows.data_ptr(), GEMV_TYPES[x.dtype], stride, rows.shape[0], weight.data_ptr(),
+                GEMV_TYPES[weight.dtype], None if scales is None else scales.data_ptr(),
+                None if in_scale is None else in_scale.data_ptr(),
+                None if bias is None else bias.data_ptr(), n, k, out.data_ptr(),
+                GEMV_TYPES[out_dtype], n):
+        raise MemoryError("gemv could not allocate its scratch memory")
+    return out.view(x.shape[:-1] + (n,))
+
+
+def quantize_rows(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row quantization for Int8Linear (layers/linear.py): uint8 rows with zero point
+    levels + 1 and float32 scales [rows], x ~ (q - levels - 1) * scale (levels 127: 8 bits;
+    63: 7 bits); `quantize_rows_ref` is the reference."""
     n = x.shape[-1]
     rows, stride = _rows(x, n)
     q = torch.empty(rows.shape, dtype=torch.uint8)
     scales = torch.empty(rows.shape[0], dtype=torch.float32)
     _fn("quantize_rows", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, q.data_ptr(),
-                                  scales.data_ptr())
+                                  scales.data_ptr(), levels)
     return q, scales
 
 

@@ -9,6 +9,7 @@ is the checkpoint's dtype. An explicit dtype always wins.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -33,9 +34,16 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+# Run as a CPU with fewer extensions would (benchmarks, e.g. an AVX2-only server on an AVX-512
+# machine): the flags kvflow decides by, from this variable (space-separated) instead of
+# /proc/cpuinfo. With KVFLOW_KERNEL_ISA (kernels/cpu_ops.py), ONEDNN_MAX_CPU_ISA and
+# ATEN_CPU_CAPABILITY the whole engine runs that CPU's code (benchmarks/cpu_peers.py --isa).
+FLAGS_OVERRIDE = "KVFLOW_CPU_FLAGS"
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's ISA flags."""
-    return frozenset(_cpuinfo().get("flags", "").split())
+    """The CPU's ISA flags (or $KVFLOW_CPU_FLAGS)."""
+    return frozenset(os.environ.get(FLAGS_OVERRIDE, _cpuinfo().get("flags", "")).split())
 
 
 def cpu_model() -> str:
@@ -43,6 +51,8 @@ def cpu_model() -> str:
 
 
 def native_bf16() -> bool:
+    if FLAGS_OVERRIDE in os.environ:
+        return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

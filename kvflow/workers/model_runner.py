@@ -18,6 +18,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.workers.attention import AttentionBackend, AttentionMetadata, SeqSpan, to_device
 from kvflow.workers.cuda_graphs import DecodeGraphs
 from kvflow.workers.draft_model import Drafter
+from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.models.llama import LlamaForCausalLM
 from kvflow.workers.sampler import Sampler, SamplingBatch
 
@@ -42,6 +43,7 @@ class StepInputs:
     # Per sampled request: its drafts (speculative decoding; their rows follow its first).
     drafts: list[list[int]]
     graph_batch: int = 0           # > 0: replay the decode CUDA graph of this (padded) batch
+    fused: bool = False            # a small decode step for FusedDecode (CPU)
 
 
 class WorkerTimes:
@@ -63,6 +65,7 @@ class ModelRunner:
         self.block_size = backend.block_size
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None   # set by capture_cuda_graphs (CUDA only)
+        self.fused: FusedDecode | None = None     # decode steps in one C call (CPU only)
         self.is_driver = is_driver         # rank 0: samples and replies
         self.device = device
         self.requests: dict[str, RequestState] = {}
@@ -164,6 +167,9 @@ class ModelRunner:
         if inputs.graph_batch:
             assert self.graphs is not None
             return self.graphs.replay(inputs.graph_batch)    # [graph_batch, hidden]
+        if inputs.fused:
+            assert self.fused is not None
+            return self.fused.forward(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[arg-type]
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -222,8 +228,12 @@ class ModelRunner:
                               self.graphs.metadata[batch], rows, sampled_request_ids, sampling,
                               all_drafts, batch)
         meta = self.backend.build_metadata(slot_mapping, decodes, prefills)
+        # Fused: decodes and drafts' verifications, not prefill chunks (a prompt's prefill
+        # then rounds the same alone and in a batch).
+        chunks = len(prefills) - sum(1 for drafts in all_drafts if drafts)
+        fused = self.fused is not None and not chunks and self.fused.fits(len(ids))
         return StepInputs(self._tensor(ids), self._tensor(pos), meta, rows, sampled_request_ids,
-                          sampling, all_drafts)
+                          sampling, all_drafts, fused=fused)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:

@@ -22,9 +22,10 @@ from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
+from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.ops import Ops, choose_ops
+from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, Ops, choose_ops
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors
 from kvflow.workers.model_runner import ModelRunner
@@ -65,6 +66,7 @@ class Worker:
         self.runner = self._make_runner()
         self.num_blocks = self._allocate_kv_cache()
         self.use_cuda_graphs = self.ops.name == "compiled" and self.backend.supports_cuda_graphs
+        self._fuse_decode_steps()
         self._log_choices()
         if self.use_cuda_graphs:
             self._capture_cuda_graphs()
@@ -151,12 +153,24 @@ class Worker:
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
                            self.dtype, self.drafter)
 
+    def _fuse_decode_steps(self) -> None:
+        """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens run every layer
+        in one C call (workers/fused_decode.py); enforce_eager keeps them unfused."""
+        if self.ops.name != "c" or self.backend.name != "cpu" or self.config.enforce_eager:
+            return
+        why = FusedDecode.unusable(self.model)
+        if why is not None:
+            logger.info("rank %d: decode steps unfused: %s", self.tp.rank, why)
+            return
+        self.runner.fused = FusedDecode(self.model, self.kv_cache, self.tp, FUSED_MAX_TOKENS)
+
     def _log_choices(self) -> None:
+        fast = (" + decode CUDA graphs" if self.use_cuda_graphs
+                else " + fused decode steps" if self.runner.fused is not None else "")
         logger.info("rank %d: device %s, attention backend %s%s, ops %s%s, linear %s",
                     self.tp.rank, self.device, self.backend.name,
                     " (auto)" if self.config.attention_backend == "auto" else "",
-                    self.ops.name, " + decode CUDA graphs" if self.use_cuda_graphs else "",
-                    self.ops.linear.name)
+                    self.ops.name, fast, self.ops.linear.name)
 
     # --- KV cache ------------------------------------------------------------------------
 

@@ -29,9 +29,10 @@ class LinearMethod:
     """Plain torch: the weight as loaded, `F.linear`."""
     name = "torch"
 
-    def prepare(self, weight: torch.Tensor) -> Any:
+    def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None) -> Any:
         """The weight in the form `apply` reads (then the plain copy may be freed), or None
-        when `apply` reads the plain weight."""
+        when `apply` reads the plain weight. `input_scale`: SmoothQuant's scale per input
+        feature (workers/smoothing.py), which the prepared weight must fold in (W * s)."""
         return None
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
@@ -44,8 +45,9 @@ class OneDnnLinear(LinearMethod):
     """The weight packed in oneDNN's blocked layout (CPU, float32/bfloat16)."""
     name = "onednn"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(smoothed(weight, input_scale), 64)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,15 +74,77 @@ class OneDnnLinear(LinearMethod):
         return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) int8 quantization, the reference of the C kernel
-    (kernels/cpu_ops.py quantize_rows): uint8 with zero point 128, float32 scale per row
-    (max|x| / 127, 1 for a zero row), x ~ (q - 128) * scale."""
+class GemvWeight(NamedTuple):
+    """A weight as GemvLinear holds it."""
+    packed: Any                     # `inner`'s form of it (None: `inner` reads `plain`)
+    plain: torch.Tensor             # [out, in] row-major, the model dtype: the gemv kernel's
+
+
+class GemvLinear(LinearMethod):
+    """Decode-shaped products (at most `max_rows` rows of x) on kvflow's gemv kernel
+    (kernels/cpu_gemv.c), which streams the row-major weight once at close to the memory's
+    read speed; larger ones on `inner` (oneDNN's packed weight, or F.linear). The row-major
+    weight is the loaded one, kept beside `inner`'s copy."""
+
+    def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
+                 max_rows: int) -> None:
+        self.gemv = gemv
+        self.inner = inner
+        self.max_rows = max_rows
+        self.name = f"gemv (<= {max_rows} rows) + {inner.name}"
+
+    def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
+                ) -> GemvWeight:
+        weight = smoothed(weight, input_scale)
+        return GemvWeight(self.inner.prepare(weight), weight.contiguous())
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if prepared is None:                     # before finish_loading
+            return F.linear(x, weight, bias)
+        if x.numel() <= self.max_rows * x.shape[-1]:
+            return self.gemv(x, prepared.plain, None, None if bias is None else bias.float())
+        return self.inner.apply(x, prepared.plain, prepared.packed, bias)
+
+
+def smoothed(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    return weight if input_scale is None else weight.float() * input_scale
+
+
+class GemvOperands(NamedTuple):
+    """What the gemv kernel reads of a prepared weight: (x * in_scale) W^T * scales."""
+    weight: torch.Tensor                 # [out, in] row-major (model dtype, or int8)
+    scales: torch.Tensor | None          # int8: float32 per output row
+    in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
+
+
+def gemv_operands(prepared: Any) -> GemvOperands | None:
+    """The gemv kernel's operands of a prepared weight (kernels/cpu_gemv.c; the fused decode
+    path, workers/fused_decode.py), or None when it keeps none."""
+    if isinstance(prepared, GemvWeight):
+        return GemvOperands(prepared.plain, None, None)
+    if isinstance(prepared, Int8Weight) and prepared.rows is not None:
+        return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale)
+    return None
+
+
+def quantize_rows_ref(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) quantization, the reference of the C kernel (kernels/cpu_ops.py
+    quantize_rows): uint8 with zero point levels + 1, float32 scale per row (max|x| /
+    levels, 1 for a zero row), x ~ (q - levels - 1) * scale. levels 127: 8 bits; 63: 7."""
     x = x.reshape(-1, x.shape[-1]).float()
     peak = x.abs().amax(dim=1)
-    scales = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
-    q = torch.round(x * (1.0 / scales).unsqueeze(1)) + 128.0
+    scales = torch.where(peak > 0, peak / levels, torch.ones_like(peak))
+    q = torch.round(x * (1.0 / scales).unsqueeze(1)) + float(levels + 1)
     return q.to(torch.uint8), scales
+
+
+def activation_levels(flags: frozenset[str]) -> int:
+    """127 (8-bit activations) where the CPU multiplies u8 x s8 into 32 bits (VNNI, AMX-INT8);
+    else 63: without them x86 sums pairs of u8 x s8 products into saturating 16 bits
+    (vpmaddubsw), which 8-bit activations overflow (oneDNN's AVX2 path was measured to) and
+    two 7-bit x 8-bit products never do."""
+    return 127 if not flags or flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 63
 
 
 def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -104,38 +168,69 @@ class Int8Weight(NamedTuple):
     packed: torch.Tensor            # int8 in oneDNN's layout (qlinear_prepack)
     scales: torch.Tensor            # float32 [out_features]
     zero_points: torch.Tensor       # int64 zeros [out_features] (symmetric)
+    # The gemv kernel's (decode, weight-only): the weight before SmoothQuant, int8 per row,
+    # and SmoothQuant's input scale, applied to x instead. Smoothing moves activation
+    # outliers into the weights, which helps W8A8 and hurts weight-only int8 (measured: 16
+    # of 64 greedy tokens tracked HF float32 with the smoothed weights, 47 without).
+    rows: torch.Tensor | None = None          # int8 [out, in] row-major
+    row_scales: torch.Tensor | None = None    # float32 [out]
+    in_scale: torch.Tensor | None = None      # float32 [in], or None
 
 
 class Int8Linear(LinearMethod):
-    """W8A8 on CPU: int8 weights per output channel, activations quantized per token at run
-    time (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's
-    u8 x s8 int8 GEMM (VNNI, AMX where the CPU has them) into the model dtype; each output row
-    is then scaled by its token's scale (`scale_rows`, which also adds the bias and rounds
-    once to the model dtype). Same results as the float layer within int8 rounding
-    (tests/test_int8.py). Until `finish_loading` it multiplies by the float weight (the
-    SmoothQuant calibration pass runs then)."""
+    """int8 weights per output channel on CPU, two ways:
+    - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel): weight-only,
+      x stays in float and the int8 rows are widened in registers (kernels/cpu_gemv.c), at
+      the memory's read speed;
+    - larger ones: W8A8, activations quantized per token at run time (`quantize_rows`: the C
+      kernel, or `quantize_rows_ref`; 8 bits, or 7 where the CPU lacks VNNI and AMX-INT8:
+      `activation_levels`), multiplied by oneDNN's u8 x s8 int8 GEMM (VNNI, AMX where the CPU
+      has them) into the model dtype; each output row is then scaled by its token's scale
+      (`scale_rows`, which also adds the bias and rounds once to the model dtype).
+    Same results as the float layer within int8 rounding (tests/test_int8.py). Until
+    `finish_loading` it multiplies by the float weight (the SmoothQuant calibration pass runs
+    then)."""
     name = "int8"
 
-    def __init__(self, quantize_rows: Callable[[torch.Tensor],
-                                               tuple[torch.Tensor, torch.Tensor]]
+    def __init__(self, quantize_rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                  = quantize_rows_ref,
                  scale_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                       torch.dtype], torch.Tensor] = scale_rows_ref) -> None:
+                                       torch.dtype], torch.Tensor] = scale_rows_ref,
+                 gemv: Callable[..., torch.Tensor] | None = None, max_rows: int = 0,
+                 levels: int | None = None) -> None:
         self.quantize_rows = quantize_rows
         self.scale_rows = scale_rows
+        self.levels = activation_levels(cpu_flags()) if levels is None else levels
+        self.gemv = gemv
+        self.max_rows = max_rows if gemv is not None else 0
+        bits = 8 if self.levels == 127 else 7
+        self.name = (f"int8 (weight-only <= {max_rows} rows, W8A{bits} above)" if self.max_rows
+                     else f"int8 (W8A{bits})")
 
-    def prepare(self, weight: torch.Tensor) -> Int8Weight:
-        q, scales = quantize_weight(weight)
+    def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
+                ) -> Int8Weight:
+        q, scales = quantize_weight(smoothed(weight, input_scale))
+        rows = row_scales = in_scale = None
+        if self.max_rows:
+            rows, row_scales = (q, scales) if input_scale is None else quantize_weight(weight)
+            in_scale = None if input_scale is None else input_scale.float().contiguous()
         return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scales,
-                          torch.zeros(q.shape[0], dtype=torch.int64))
+                          torch.zeros(q.shape[0], dtype=torch.int64), rows, row_scales,
+                          in_scale)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if prepared is None:                     # before finish_loading: the float weight
             return F.linear(x, weight, bias)
+        if prepared.rows is not None and x.numel() <= self.max_rows * x.shape[-1]:
+            assert self.gemv is not None
+            return self.gemv(x, prepared.rows, prepared.row_scales,
+                             None if bias is None else bias.float(),
+                             in_scale=prepared.in_scale)
         shape = x.shape
-        q, x_scales = self.quantize_rows(x)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,
+        q, x_scales = self.quantize_rows(x, self.levels)
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, self.levels + 1, prepared.packed,
+                                               prepared.scales,
                                                prepared.zero_points, None, 1.0, 0,
                                                torch.float32, "none", [None], "")
         y = self.scale_rows(y, x_scales, None if bias is None else bias.float(), x.dtype)
@@ -147,12 +242,6 @@ class Int8Linear(LinearMethod):
         if not (torch.backends.mkldnn.is_available()
                 and hasattr(torch.ops.onednn, "qlinear_pointwise")):
             return "this torch has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise)"
-        flags = cpu_flags()
-        if flags and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
-            # Without VNNI, x86 multiplies u8 x s8 pairs into saturating 16-bit sums
-            # (vpmaddubsw): full-range int8 weights and activations would overflow.
-            return ("this CPU has neither VNNI (avx512_vnni, avx_vnni) nor AMX-INT8, and "
-                    "oneDNN's int8 GEMM without them saturates 16-bit partial sums")
         gen = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 64, generator=gen), torch.randn(5, 64, generator=gen)
         method = cls()
@@ -172,7 +261,7 @@ def prepare_weight(method: LinearMethod, weight: nn.Parameter,
     set one); the plain weight is freed when the method has its own copy and nothing else
     shares it."""
     data = weight.data
-    prepared = method.prepare(data if input_scale is None else data.float() * input_scale)
+    prepared = method.prepare(data, input_scale)
     if prepared is not None and free_plain_weight:
         weight.data = data.new_empty(0)
     return prepared

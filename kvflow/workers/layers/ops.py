@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
-from kvflow.workers.layers.linear import Int8Linear, LinearMethod, OneDnnLinear
+from kvflow.workers.layers.linear import GemvLinear, Int8Linear, LinearMethod, OneDnnLinear
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.sampler import torch_argmax
@@ -44,6 +44,14 @@ class Ops:
 
 
 TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
+# With the C ops, products of at most GEMV_MAX_ROWS rows run on kvflow's gemv kernel
+# (kernels/cpu_gemv.c), which streams the weight at the memory's read speed there on every
+# x86 it was measured on; larger ones on oneDNN (AMX or VNNI make it faster from two rows on
+# where the CPU has them). Steps of at most FUSED_MAX_TOKENS tokens (decodes, drafts'
+# verifications) run every layer in one C call (workers/fused_decode.py): the per-op
+# overhead it removes outweighs a slower gemv up to there (benchmarks/cpu_kernels.py).
+GEMV_MAX_ROWS = 4
+FUSED_MAX_TOKENS = 8
 
 
 def compiled_ops() -> Ops:
@@ -69,10 +77,13 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         why = Int8Linear.works()
         if why is not None:
             raise ValueError(f"quantization='int8' cannot run: {why}")
-        linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)
+        linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,
+                                           cpu_ops.gemv, GEMV_MAX_ROWS)
                                 if c_kernels else Int8Linear())
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
+        if c_kernels:
+            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)

@@ -35,12 +35,16 @@ class RotaryEmbedding(nn.Module):
                  fn: RotaryFn | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(hf_config, head_dim)
+        # The angles as HF rounds them (float32 products); cos/sin in float64, rounded once.
+        # torch's float32 cos/sin of large angles (thousands of radians) came out up to 1e-3
+        # off in some worker processes and exact in others (measured: 3 fresh engines in 9
+        # differed, by 6e-3 in logprobs; none with float64 tables, in 18).
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                 # [max_position, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1).double()        # [max_position, head_dim]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
         self.fn = fn or apply_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,

@@ -1,0 +1,268 @@
+/* Decode-shaped linears: out = x W^T (+ bias) for a few rows of x (a decode step's tokens),
+ * reading each weight once at close to the memory's streaming speed (cpu_ops.py `gemv`).
+ *
+ * At a few rows a linear layer is a stream of its weights: every weight is used once per row
+ * of x, so the time is the bytes of W over the read bandwidth. oneDNN's GEMM is built for
+ * large M; at M = 1..16 its set-up and blocking cost more than the arithmetic. Here W stays
+ * in its row-major [N, K] layout (the checkpoint's), and each thread takes a contiguous range
+ * of output rows: four rows of W are streamed side by side and dotted with every row of x
+ * (held in L1/L2), so each weight byte is read from memory once. Each load also prefetches
+ * the same offset two tiles ahead: the hardware prefetcher alone kept too few reads in
+ * flight (bf16 weights streamed at 21 GB/s and int8 at 14 on a machine that reads 29; with
+ * the prefetch 28 and 37: benchmarks/cpu_kernels.py --gemv).
+ *
+ * Weights: float32, bfloat16 (widened in registers, or on AVX512-BF16 CPUs multiplied in
+ * pairs by vdpbf16ps) and int8 with a float32 scale per output row (weight-only
+ * quantization: x stays in float, the int8 row is widened in registers and the dot product
+ * scaled once). Sums in float32; the output is rounded once to its dtype, with the bias (a
+ * float32 vector) added before rounding, as oneDNN does.
+ *
+ * Paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes), or plain C; chosen by the build's -march
+ * (cpu_ops.py builds this file with cpu_ops.c into one library, also without AVX512-BF16 or
+ * AVX-512 for tests).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2 };
+
+static inline float gemv_bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t gemv_f32_to_bf16(float f) {    /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* --- vectors: VL float32 lanes, loads of VL weights of each type ------------------------- */
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+#define VLOAD_F32(p) _mm512_loadu_ps(p)
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(                                 \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VSUM(v) vsum256(v)
+#define VLOAD_F32(p) _mm256_loadu_ps(p)
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(                                 \
+    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+
+#define ROWS 4          /* rows of W streamed together */
+#define XROWS 4         /* rows of x per pass over them (ROWS * XROWS accumulators) */
+#define PREFETCH_TILES 2
+
+/* Fetch row r's element k of the tile PREFETCH_TILES ahead (no fault past the end). */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define PREFETCH(w, r, k, K) _mm_prefetch((const char *)((w) + ((r) + PREFETCH_TILES * ROWS) \
+                                                      * (K) + (k)), _MM_HINT_T0)
+#else
+#define PREFETCH(w, r, k, K) ((void)0)
+#endif
+
+static inline float load_w(const void *w, int type, int64_t i) {
+    switch (type) {
+        case T_F32: return ((const float *)w)[i];
+        case T_BF16: return gemv_bf16_to_f32(((const uint16_t *)w)[i]);
+        default: return (float)((const int8_t *)w)[i];
+    }
+}
+
+/* Dot products of rows n0..n0+nr-1 of W (nr <= ROWS) with rows m0..m0+mr-1 of xf (float32,
+ * row stride K, mr <= XROWS) into acc[r][m]. One instance per weight type, so the loads are
+ * constants the compiler unrolls. */
+#ifdef VL
+#define DEFINE_DOT_TILE(NAME, WT, VLOAD)                                                      \
+static inline void NAME(const WT *w, int64_t K, int64_t nr, const float *xf, int64_t mr,    \
+                        float acc[ROWS][XROWS]) {                                             \
+    vf a[ROWS][XROWS];                                                                        \
+    for (int r = 0; r < ROWS; r++)                                                            \
+        for (int m = 0; m < XROWS; m++) a[r][m] = VZERO();                                    \
+    const int64_t kv = K - K % VL;                                                            \
+    if (nr == ROWS && mr == XROWS) {                 /* the common case, fully unrolled */   \
+        for (int64_t k = 0; k < kv; k += VL) {                                                \
+            vf wv[ROWS];                                                                      \
+            for (int r = 0; r < ROWS; r++) {                                                  \
+                PREFETCH(w, r, k, K);                                                         \
+                wv[r] = VLOAD(w + r * K + k);                                                 \
+            }                                                                                 \
+            for (int m = 0; m < XROWS; m++) {                                                 \
+                const vf xv = VLOAD_F32(xf + m * K + k);                                      \
+                for (int r = 0; r < ROWS; r++) a[r][m] = VFMA(wv[r], xv, a[r][m]);            \
+            }                                                                                 \
+        }                                                                                     \
+    } else if (mr == 1) {                            /* one row of x: a decode of one */      \
+        for (int64_t k = 0; k < kv; k += VL) {                                                \
+            const vf xv = VLOAD_F32(xf + k);                                                  \
+            for (int r = 0; r < ROWS; r++)                                                    \
+                if (r < nr) {                                                                 \
+                    PREFETCH(w, r, k, K);                                                     \
+                    a[r][0] = VFMA(VLOAD(w + r * K + k), xv, a[r][0]);                        \
+                }                                                                             \
+        }                                                                                     \
+    } else {                                                                                  \
+        for (int64_t k = 0; k < kv; k += VL) {                                                \
+            vf wv[ROWS];                                                                      \
+            for (int r = 0; r < ROWS; r++) {                                                  \
+                if (r < nr) PREFETCH(w, r, k, K);                                             \
+                wv[r] = r < nr ? VLOAD(w + r * K + k) : VZERO();                              \
+            }                                                                                 \
+            for (int m = 0; m < XROWS; m++) {                                                 \
+                if (m >= mr) break;                                                           \
+                const vf xv = VLOAD_F32(xf + m * K + k);                                      \
+                for (int r = 0; r < ROWS; r++) a[r][m] = VFMA(wv[r], xv, a[r][m]);            \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < ROWS; r++)                                                            \
+        for (int m = 0; m < XROWS; m++) acc[r][m] = VSUM(a[r][m]);                            \
+    for (int64_t k = kv; k < K; k++)                 /* the tail, K not a multiple of VL */  \
+        for (int r = 0; r < nr; r++)                                                          \
+            for (int m = 0; m < mr; m++)                                                      \
+                acc[r][m] += (float)load_w(w, TYPE_OF_##WT, r * K + k) * xf[m * K + k];      \
+}
+#else
+#define DEFINE_DOT_TILE(NAME, WT, VLOAD)                                                      \
+static inline void NAME(const WT *w, int64_t K, int64_t nr, const float *xf, int64_t mr,    \
+                        float acc[ROWS][XROWS]) {                                             \
+    for (int r = 0; r < ROWS; r++)                                                            \
+        for (int m = 0; m < XROWS; m++) acc[r][m] = 0.0f;                                     \
+    for (int r = 0; r < nr; r++)                                                              \
+        for (int m = 0; m < mr; m++) {                                                        \
+            float s = 0.0f;                                                                   \
+            _Pragma("omp simd reduction(+:s)")                                                \
+            for (int64_t k = 0; k < K; k++)                                                   \
+                s += load_w(w, TYPE_OF_##WT, r * K + k) * xf[m * K + k];                     \
+            acc[r][m] = s;                                                                    \
+        }                                                                                     \
+}
+#endif
+
+#define TYPE_OF_float T_F32
+#define TYPE_OF_uint16_t T_BF16
+#define TYPE_OF_int8_t T_I8
+DEFINE_DOT_TILE(dot_tile_f32, float, VLOAD_F32)
+DEFINE_DOT_TILE(dot_tile_bf16, uint16_t, VLOAD_BF16)
+DEFINE_DOT_TILE(dot_tile_i8, int8_t, VLOAD_I8)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 weights and bf16 x on AVX512-BF16: vdpbf16ps multiplies 32 pairs exactly and sums
+ * them into 16 float32 lanes, with no widening of either operand. K even (pairs). */
+static inline void dot_tile_dpbf16(const uint16_t *w, int64_t K, int64_t nr,
+                                   const uint16_t *xb, int64_t mr, float acc[ROWS][XROWS]) {
+    __m512 a[ROWS][XROWS];
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < XROWS; m++) a[r][m] = _mm512_setzero_ps();
+    const int64_t kv = K - K % 32;
+    for (int64_t k = 0; k < kv; k += 32) {
+        __m512bh wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (r < nr) PREFETCH(w, r, k, K);
+            wv[r] = (__m512bh)(r < nr ? _mm512_loadu_si512(w + r * K + k) : _mm512_setzero_si512());
+        }
+        for (int m = 0; m < XROWS; m++) {
+            if (m >= mr) break;
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K + k);
+            for (int r = 0; r < ROWS; r++) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < XROWS; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
+    for (int64_t k = kv; k < K; k++)
+        for (int r = 0; r < nr; r++)
+            for (int m = 0; m < mr; m++)
+                acc[r][m] += gemv_bf16_to_f32(w[r * K + k]) * gemv_bf16_to_f32(xb[m * K + k]);
+}
+#endif
+
+static inline void store_out(void *out, int otype, int64_t i, float v) {
+    if (otype == T_F32) ((float *)out)[i] = v;
+    else ((uint16_t *)out)[i] = gemv_f32_to_bf16(v);
+}
+
+/* out[m, n] = round(scale[n] * sum_k x[m, k] in_scale[k] W[n, k] + bias[n]) for m < M,
+ * n < N. x: M rows of K (float32 or bfloat16, row stride ldx elements); W: [N, K] row-major
+ * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
+ * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
+ * the weight-only path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
+ * otype (row stride ldo). Returns 0, or 1 when out of memory. */
+int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
+         const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
+         void *out, int otype, int64_t ldo) {
+    const int esize = wtype == T_F32 ? 4 : wtype == T_BF16 ? 2 : 1;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int pairs = wtype == T_BF16 && xtype == T_BF16 && K % 2 == 0 && ldx % 2 == 0
+                      && in_scale == NULL;
+#else
+    const int pairs = 0;
+#endif
+    /* x as contiguous float32 rows (or, for vdpbf16ps, contiguous bf16 rows). */
+    void *xs = malloc((size_t)(M * K) * (pairs ? 2 : 4));
+    if (xs == NULL) return 1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t i = m * ldx + k;
+            if (pairs) {
+                ((uint16_t *)xs)[m * K + k] = ((const uint16_t *)x)[i];
+            } else {
+                const float v = xtype == T_F32 ? ((const float *)x)[i]
+                                               : gemv_bf16_to_f32(((const uint16_t *)x)[i]);
+                ((float *)xs)[m * K + k] = in_scale ? v * in_scale[k] : v;
+            }
+        }
+    const int64_t num_tiles = (N + ROWS - 1) / ROWS;
+    #pragma omp parallel for schedule(static) if (N * K * esize > 65536)
+    for (int64_t tile = 0; tile < num_tiles; tile++) {
+        const int64_t n0 = tile * ROWS, nr = N - n0 < ROWS ? N - n0 : ROWS;
+        const char *wt = (const char *)w + n0 * K * esize;
+        for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
+            const int64_t mr = M - m0 < XROWS ? M - m0 : XROWS;
+            float acc[ROWS][XROWS];
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            if (pairs)
+                dot_tile_dpbf16((const uint16_t *)wt, K, nr, (const uint16_t *)xs + m0 * K, mr,
+                                acc);
+            else
+#endif
+            if (wtype == T_F32)
+                dot_tile_f32((const float *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+            else if (wtype == T_BF16)
+                dot_tile_bf16((const uint16_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+            else
+                dot_tile_i8((const int8_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+            for (int64_t r = 0; r < nr; r++) {
+                const float s = scales ? scales[n0 + r] : 1.0f, b = bias ? bias[n0 + r] : 0.0f;
+                for (int64_t m = 0; m < mr; m++)
+                    store_out(out, otype, (m0 + m) * ldo + n0 + r, acc[r][m] * s + b);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}

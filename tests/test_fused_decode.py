@@ -1,0 +1,125 @@
+"""Decode steps in one C call (workers/fused_decode.py, kernels/cpu_decode.c) against the
+model's own forward (layers/ and models/llama.py, which `enforce_eager=True` keeps): the
+same greedy tokens in float32 on the default model (batches of one to eight, draft
+verifications), on Qwen2 (q/k/v bias) and Qwen3 (q/k norms), under tensor parallelism 2, and
+with int8 weights; and one step's hidden states close to the unfused forward's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.workers.model_runner import ModelRunner
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):\n",
+           "1, 2, 3, 5, 8, 13, 21,", "Write a haiku about the sea.",
+           "SELECT name, COUNT(*) FROM orders WHERE", "Once upon a time,",
+           "Translate to French: I would like a cup of coffee, please."]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def greedy(path: str, prompts: list, **options: object) -> list[list[int]]:
+    with LLM(path, in_process=True, kv_cache_memory_gb=0.2, **options) as llm:
+        assert (runner(llm).fused is None) == bool(options.get("enforce_eager"))
+        batched = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts[:3]]
+    return batched + alone
+
+
+def runner(llm: LLM) -> ModelRunner:
+    """The in-process engine's model runner."""
+    from kvflow.frontend.engine_client import InProcessEngine
+    assert isinstance(llm.engine, InProcessEngine)
+    return llm.engine.worker.runner
+
+
+def test_default_model_fused_equals_unfused(default_model: str) -> None:
+    """Eight requests (steps of 8 tokens, then fewer as none finish early) and one alone."""
+    fused = greedy(default_model, PROMPTS, dtype="float32")
+    assert fused == greedy(default_model, PROMPTS, dtype="float32", enforce_eager=True)
+
+
+def test_draft_verification_steps_run_fused(default_model: str) -> None:
+    """n-gram drafts: a request's token and its drafts (several rows) in one fused step give
+    the unfused forward's tokens."""
+    prompt = "Copy this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}
+    outs = []
+    for eager in (False, True):
+        with LLM(default_model, in_process=True, dtype="float32", kv_cache_memory_gb=0.2,
+                 speculative_config=spec, enforce_eager=eager) as llm:
+            outs.append(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40),
+                                     use_tqdm=False)[0].token_ids)
+            assert llm.last_stats.spec_num_accepted_tokens > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_fused_equals_unfused(tiny_models: dict[str, str], arch: str) -> None:
+    path = tiny_models[arch]
+    assert greedy(path, PROMPTS[:4], dtype="float32") == greedy(path, PROMPTS[:4],
+                                                                  dtype="float32",
+                                                                  enforce_eager=True)
+
+
+def test_tensor_parallel_2_fused_equals_unfused(default_model: str, tmp_path: str) -> None:
+    """TP=2 in the real cluster: the fused sublayers' outputs are all-reduced between the C
+    calls; tokens equal TP=1's unfused ones."""
+    from model_helpers import make_tiny_model
+    path = make_tiny_model(default_model, str(tmp_path), "llama", initializer_range=0.05)
+    reference = greedy(path, PROMPTS[:4], dtype="float32", enforce_eager=True)
+    with LLM(path, tensor_parallel_size=2, num_threads=1, dtype="float32",
+             kv_cache_memory_gb=0.05) as llm:
+        batched = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
+        alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS[:3]]
+    assert batched + alone == reference
+
+
+def test_int8_fused_equals_unfused(default_model: str) -> None:
+    """int8: decode steps of at most four rows are weight-only on the gemv kernel in both
+    paths (layers/linear.py Int8Linear), so fused and unfused give the same tokens."""
+    from kvflow.workers.layers.linear import Int8Linear
+    if Int8Linear.works() is not None:
+        pytest.skip(f"int8 does not run here: {Int8Linear.works()}")
+    options = dict(dtype="float32", quantization="int8")
+    assert greedy(default_model, PROMPTS[:4], **options) == greedy(
+        default_model, PROMPTS[:4], enforce_eager=True, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_step_matches_the_unfused_forward(default_model: str, dtype: torch.dtype) -> None:
+    """Three requests prefilled with 40 tokens, then a step of two decodes and a three-token
+    verification span straight through both paths: hidden states agree to the dtype's
+    rounding (bfloat16: the unfused path is itself ~1% per row from float32)."""
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    with LLM(default_model, in_process=True, dtype=name, kv_cache_memory_gb=0.2) as llm:
+        run = runner(llm)
+        assert run.fused is not None
+        prefill = step_inputs(run, [(40, 40)] * 3)
+        run.model(*prefill)
+        step = step_inputs(run, [(1, 41), (1, 41), (3, 43)])
+        fused = run.fused.forward(*step)                       # type: ignore[arg-type]
+        unfused = run.model(*step)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, unfused, atol=2e-4, rtol=1e-4)
+    else:
+        rel = (fused.float() - unfused.float()).norm(dim=1) / unfused.float().norm(dim=1)
+        assert float(rel.max()) < 0.03, rel
+
+
+def step_inputs(run: ModelRunner, spans: list[tuple[int, int]]) -> tuple:
+    """(input_ids, positions, metadata) for requests i = 0, 1, ... each in blocks 4i..4i+3,
+    computing `n` tokens that end at context length `ctx`, for each (n, ctx)."""
+    import numpy as np
+    from kvflow.workers.attention import SeqSpan
+    decodes, prefills, ids, pos, slots, row = [], [], [], [], [], 0
+    for i, (n, ctx) in enumerate(spans):
+        blocks = np.arange(4 * i, 4 * i + 4)
+        p = np.arange(ctx - n, ctx)
+        (decodes if n == 1 else prefills).append(SeqSpan(row, n, ctx, blocks))
+        ids += [(200 + 37 * i + int(j)) % 49152 for j in p]
+        pos.append(p)
+        slots.append(blocks[p // 16] * 16 + p % 16)
+        row += n
+    meta = run.backend.build_metadata(np.concatenate(slots), decodes, prefills)
+    return torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), meta
