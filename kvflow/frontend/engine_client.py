@@ -80,6 +80,7 @@ class MultiprocEngine:
             "--log-level", str(logging.getLogger().level)])
         self.dead: str | None = None
         self.dead_request_ids: list[str] = []   # the requests of the step it died in
+        self._reaper: threading.Thread | None = None     # stopping it once it died
         self.last_heard = time.monotonic()      # the last message from EngineCore
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.ctx,
                                            [self.input.sock, self.output.sock], self.run_dir)
@@ -125,8 +126,9 @@ class MultiprocEngine:
         for shutdown(), on the caller's thread."""
         self.dead = reason
         self.dead_request_ids = request_ids or []
-        threading.Thread(target=self.proc.stop, args=(5,), daemon=True,
-                         name="kvflow-reap").start()
+        self._reaper = threading.Thread(target=self.proc.stop, args=(5,), daemon=True,
+                                        name="kvflow-reap")
+        self._reaper.start()
         raise EngineDeadError(reason, request_ids)
 
     def _send(self, msg: ToEngine) -> None:
@@ -186,6 +188,8 @@ class MultiprocEngine:
                 self.input.sock.send(self.input.encoder.encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:                     # Again: EngineCore is already gone
                 pass
+        if self._reaper is not None:
+            self._reaper.join(10)
         self._finalizer()
 
 

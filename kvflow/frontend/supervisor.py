@@ -80,6 +80,7 @@ class SupervisedEngine:
         self._cause = ""
         self._new: MultiprocEngine | BaseException | None = None   # the restart thread's
         self._thread: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None     # killing an engine given up on
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -185,6 +186,8 @@ class SupervisedEngine:
                 self._new.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
+        if self._reaper is not None:          # nothing of a dead engine outlives shutdown()
+            self._reaper.join(10)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -276,8 +279,9 @@ class SupervisedEngine:
             logger.error("the engine died (%s) and %d restart(s) in %.0f s are used up "
                          "(--max-engine-restarts): giving up: %s", cause,
                          self.config.max_engine_restarts, RESTART_WINDOW, reason)
-            threading.Thread(target=_kill, args=(old, self._children), daemon=True,
-                             name="kvflow-reap").start()     # said at once, reaped meanwhile
+            self._reaper = threading.Thread(target=_kill, args=(old, self._children),
+                                            daemon=True, name="kvflow-reap")
+            self._reaper.start()                      # said at once, reaped meanwhile
             raise EngineDeadError(reason)
         self.restart_times.append(now)
         logger.error("the engine died (%s); restarting it and resuming %d request(s): %s",
