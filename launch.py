@@ -62,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="int8: int8 linear weights on CPU (per output channel): "
                              "decode steps weight-only, prefills W8A8 through oneDNN's int8 "
-                             "GEMM (8-bit activations on VNNI/AMX, 7-bit on other x86); "
+                             "GEMM (W7A8, 7-bit weights, on x86 without VNNI/AMX); "
                              "default: none")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA: no CUDA graphs for decode, no torch.compile; on "

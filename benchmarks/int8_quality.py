@@ -1,9 +1,9 @@
 """How close quantization="int8" stays to float32 on the default model.
 
-int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8A8 (8-bit
-activations, or 7-bit on CPUs without VNNI), decode steps of a few tokens weight-only. For
+int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8A8 (or W7A8,
+7-bit weights, on CPUs without VNNI), decode steps of a few tokens weight-only. For
 each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 W8A8 with
-float32 or bfloat16 activations, 7-bit activations, without SmoothQuant
+float32 or bfloat16 activations, 7-bit weights, without SmoothQuant
 (workers/smoothing.py); int8 weight-only, the decode path, for every product) is compared
 with float32 in two ways:
 - teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
@@ -31,7 +31,7 @@ from kvflow.config import make_engine_config                              # noqa
 from kvflow.frontend.model_files import ensure_default_model              # noqa: E402
 from kvflow.workers.hardware import cpu_flags, cpu_model                  # noqa: E402
 from kvflow.workers.layers import ops as ops_module                       # noqa: E402
-from kvflow.workers.layers.linear import activation_levels                # noqa: E402
+from kvflow.workers.layers.linear import gemm_weight_levels               # noqa: E402
 from kvflow.workers.models.llama import LlamaForCausalLM                  # noqa: E402
 from kvflow.workers.smoothing import prefill_logits                      # noqa: E402
 from kvflow.workers.worker import Worker                                  # noqa: E402
@@ -52,17 +52,17 @@ VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
             "int8, no SmoothQuant": dict(dtype="float32", quantization="int8"),
             "int8 (float32 activations)": dict(dtype="float32", quantization="int8"),
             "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8"),
-            "int8, 7-bit activations": dict(dtype="float32", quantization="int8"),
+            "int8, 7-bit weights (W7A8)": dict(dtype="float32", quantization="int8"),
             "int8 weight-only everywhere": dict(dtype="float32", quantization="int8")}
 
 
 def patched(name: str) -> None:
-    """What a variant changes: SmoothQuant off, 7-bit activations (as on CPUs without
+    """What a variant changes: SmoothQuant off, 7-bit weights (as on CPUs without
     VNNI), or every product on the weight-only decode path."""
     from kvflow.workers.layers import linear, ops
     LlamaForCausalLM.smoothing_pairs = (                      # type: ignore[method-assign]
         (lambda self: []) if "no SmoothQuant" in name else smoothing_pairs)
-    linear.activation_levels = (lambda flags: 63) if "7-bit" in name else ACTIVATION_LEVELS
+    linear.gemm_weight_levels = (lambda flags: 63) if "7-bit" in name else GEMM_WEIGHT_LEVELS
     ops.GEMV_MAX_ROWS = 1 << 30 if "weight-only" in name else GEMV_MAX_ROWS
 
 
@@ -94,7 +94,7 @@ def prefix_share(free: list[list[int]], reference: list[list[int]]) -> float:
 
 
 smoothing_pairs = LlamaForCausalLM.smoothing_pairs
-ACTIVATION_LEVELS = activation_levels
+GEMM_WEIGHT_LEVELS = gemm_weight_levels
 GEMV_MAX_ROWS = ops_module.GEMV_MAX_ROWS
 
 

@@ -1,6 +1,6 @@
 """quantization="int8" (layers/linear.py Int8Linear: W8A8 for prefills and large batches,
 weight-only for decode steps): the per-token quantization kernel (8 and 7 bits) against its
-torch reference, the int8 linear against the float linear, 7-bit activations on oneDNN's
+torch reference, the int8 linear against the float linear, 7-bit weights on oneDNN's
 AVX2 path and the engine as an AVX2 CPU runs it, and the default model end to end against
 HF transformers in float32."""
 from __future__ import annotations
@@ -180,22 +180,24 @@ def test_int8_under_tensor_parallelism(tiny_models: dict[str, str]) -> None:
     assert exact >= len(prompts) * 4, exact
 
 
-def test_a_cpu_without_vnni_runs_int8_with_7_bit_activations(
+def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without VNNI (faked flags here) activations are quantized to 7 bits around 64, so no
-    pair of u8 x s8 products can saturate a 16-bit sum; results stay close to the float
-    layer."""
+    """Without VNNI (faked flags here) the GEMM's weights are quantized to 7 bits (|q| <= 63)
+    and activations stay 8-bit, so no pair of u8 x s8 products can saturate a 16-bit sum;
+    results stay close to the float layer. The decode (gemv) rows stay 8-bit."""
     from kvflow.workers.layers import linear
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows)
-    assert method.levels == 63 and "W8A7" in method.name
+    method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows, gemv=cpu_ops.gemv,
+                        max_rows=4)
+    assert method.weight_levels == 63 and "W7A8" in method.name
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 576, generator=gen), torch.randn(9, 576, generator=gen)
-    q, _ = cpu_ops.quantize_rows(x, 63)
-    assert int(q.max()) <= 127 and int(q.min()) >= 1
-    ref_q, _ = quantize_rows_ref(x, 63)
-    assert torch.equal(q, ref_q)
-    got, ref = method.apply(x, w, method.prepare(w)), torch.nn.functional.linear(x, w)
+    prepared = method.prepare(w)
+    assert prepared.rows is not None and int(prepared.rows.abs().max()) == 127
+    q, scales = linear.quantize_weight(w, 63)
+    assert int(q.abs().max()) == 63
+    assert torch.allclose(q.float() * scales.unsqueeze(1), w, atol=float(scales.max()) / 2 + 1e-6)
+    got, ref = method.apply(x, w, prepared), torch.nn.functional.linear(x, w)
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
@@ -209,16 +211,17 @@ x = torch.randn(8, 576, generator=gen).abs()
 x[:, ::2] = x.max()                           # ... against pairs of the largest inputs
 errors = []
 for levels in (63, 127):
-    method = Int8Linear(levels=levels)
+    method = Int8Linear(weight_levels=levels)
     got, ref = method.apply(x, w, method.prepare(w)), torch.nn.functional.linear(x, w)
     errors.append(float((got - ref).abs().max() / ref.abs().max()))
 print(errors[0], errors[1])
 """
 
 
-def test_oneDNN_avx2_int8_does_not_saturate_with_7_bit_activations() -> None:
+def test_oneDNN_avx2_int8_does_not_saturate_with_7_bit_weights() -> None:
     """oneDNN's own AVX2 code path (ONEDNN_MAX_CPU_ISA=AVX2, in a fresh process): 8-bit
-    activations saturate its 16-bit pair sums, 7-bit ones are exact up to rounding."""
+    activations times 8-bit weights saturate its 16-bit pair sums, times 7-bit weights they
+    are exact up to rounding."""
     import subprocess
     import sys
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")

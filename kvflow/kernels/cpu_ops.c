@@ -470,8 +470,8 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {  
  * (layers/linear.py, Int8Linear): scale = max|x| / levels (1 for an all-zero row),
  * q = round(x / scale) + levels + 1 as uint8, so the zero point is levels + 1 for every row
  * and the per-row scale is applied to the GEMM's output. levels = 127: 8 bits (zero point
- * 128); 63: 7 bits (zero point 64), for CPUs without VNNI, whose u8 x s8 multiply sums
- * pairs into saturating 16 bits (two 7-bit x 8-bit products always fit). */
+ * 128), what Int8Linear uses (on CPUs without VNNI with 7-bit weights instead); 63: 7 bits
+ * (zero point 64). */
 #define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                   \
 void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales, \
           int64_t levels) {                                                                   \

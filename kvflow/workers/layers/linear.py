@@ -139,11 +139,13 @@ def quantize_rows_ref(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor,
     return q.to(torch.uint8), scales
 
 
-def activation_levels(flags: frozenset[str]) -> int:
-    """127 (8-bit activations) where the CPU multiplies u8 x s8 into 32 bits (VNNI, AMX-INT8);
-    else 63: without them x86 sums pairs of u8 x s8 products into saturating 16 bits
-    (vpmaddubsw), which 8-bit activations overflow (oneDNN's AVX2 path was measured to) and
-    two 7-bit x 8-bit products never do."""
+def gemm_weight_levels(flags: frozenset[str]) -> int:
+    """The int8 GEMM's weight range, |q| <= this: 127 (8 bits) where the CPU multiplies
+    u8 x s8 into 32 bits (VNNI, AMX-INT8); else 63 (7 bits, oneDNN's own advice): without
+    them x86 sums pairs of u8 x s8 products into saturating 16 bits (vpmaddubsw), which 8-bit
+    activations times 8-bit weights overflow (measured on oneDNN's AVX2 path) and 8-bit
+    activations times 7-bit weights never do (2 x 255 x 63 < 32768). 7-bit weights keep
+    more of float32's tokens than 7-bit activations (benchmarks/int8_quality.py)."""
     return 127 if not flags or flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 63
 
 
@@ -155,12 +157,13 @@ def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | N
     return (y if bias is None else y + bias).to(dtype)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 per output channel (row), symmetric: W ~ q * scale[:, None]."""
+def quantize_weight(weight: torch.Tensor, levels: int = 127
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per output channel (row), symmetric: W ~ q * scale[:, None], |q| <= levels."""
     w = weight.float()
     peak = w.abs().amax(dim=1)
-    scales = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
-    q = torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    scales = torch.where(peak > 0, peak / float(levels), torch.ones_like(peak))
+    q = torch.round(w / scales.unsqueeze(1)).clamp(-levels, levels).to(torch.int8)
     return q, scales
 
 
@@ -182,10 +185,10 @@ class Int8Linear(LinearMethod):
     - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel): weight-only,
       x stays in float and the int8 rows are widened in registers (kernels/cpu_gemv.c), at
       the memory's read speed;
-    - larger ones: W8A8, activations quantized per token at run time (`quantize_rows`: the C
-      kernel, or `quantize_rows_ref`; 8 bits, or 7 where the CPU lacks VNNI and AMX-INT8:
-      `activation_levels`), multiplied by oneDNN's u8 x s8 int8 GEMM (VNNI, AMX where the CPU
-      has them) into the model dtype; each output row is then scaled by its token's scale
+    - larger ones: W8A8, activations quantized per token at run time to 8 bits
+      (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
+      int8 GEMM (VNNI, AMX where the CPU has them) into float32; the GEMM's weights are 7-bit
+      where the CPU lacks VNNI and AMX-INT8 (`gemm_weight_levels`: W7A8); each output row is then scaled by its token's scale
       (`scale_rows`, which also adds the bias and rounds once to the model dtype).
     Same results as the float layer within int8 rounding (tests/test_int8.py). Until
     `finish_loading` it multiplies by the float weight (the SmoothQuant calibration pass runs
@@ -197,22 +200,25 @@ class Int8Linear(LinearMethod):
                  scale_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                        torch.dtype], torch.Tensor] = scale_rows_ref,
                  gemv: Callable[..., torch.Tensor] | None = None, max_rows: int = 0,
-                 levels: int | None = None) -> None:
+                 weight_levels: int | None = None) -> None:
         self.quantize_rows = quantize_rows
         self.scale_rows = scale_rows
-        self.levels = activation_levels(cpu_flags()) if levels is None else levels
+        self.levels = 127                        # activations: 8 bits, zero point 128
+        self.weight_levels = (gemm_weight_levels(cpu_flags()) if weight_levels is None
+                              else weight_levels)
         self.gemv = gemv
         self.max_rows = max_rows if gemv is not None else 0
-        bits = 8 if self.levels == 127 else 7
-        self.name = (f"int8 (weight-only <= {max_rows} rows, W8A{bits} above)" if self.max_rows
-                     else f"int8 (W8A{bits})")
+        bits = 8 if self.weight_levels == 127 else 7
+        self.name = (f"int8 (weight-only <= {max_rows} rows, W{bits}A8 above)" if self.max_rows
+                     else f"int8 (W{bits}A8)")
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
                 ) -> Int8Weight:
-        q, scales = quantize_weight(smoothed(weight, input_scale))
+        q, scales = quantize_weight(smoothed(weight, input_scale), self.weight_levels)
         rows = row_scales = in_scale = None
-        if self.max_rows:
-            rows, row_scales = (q, scales) if input_scale is None else quantize_weight(weight)
+        if self.max_rows:                        # the gemv kernel's: 8 bits, unsmoothed
+            rows, row_scales = ((q, scales) if input_scale is None and self.weight_levels == 127
+                                else quantize_weight(weight))
             in_scale = None if input_scale is None else input_scale.float().contiguous()
         return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scales,
                           torch.zeros(q.shape[0], dtype=torch.int64), rows, row_scales,
