@@ -70,10 +70,10 @@ FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
                 "llamacpp-Q8_0": 34 / 32}
 ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
-                        KVFLOW_KERNEL_ISA="avx2",
+                        MKL_ENABLE_INSTRUCTIONS="AVX2", KVFLOW_KERNEL_ISA="avx2",
                         KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c bmi2"),
            "avx512": dict(ONEDNN_MAX_CPU_ISA="AVX512_CORE_VNNI", ATEN_CPU_CAPABILITY="avx512",
-                          KVFLOW_KERNEL_ISA="avx512",
+                          MKL_ENABLE_INSTRUCTIONS="AVX512", KVFLOW_KERNEL_ISA="avx512",
                           KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c avx512f avx512bw "
                                            "avx512vl avx512_vnni")}
 
@@ -121,9 +121,12 @@ def matmul_gflops(kind: str, m: int = 256, k: int = 576, n: int = 1536) -> float
         prepared = method.prepare(w)
         fn = lambda: method.apply(x, w, prepared)                       # noqa: E731
     else:
+        from kvflow.workers.layers.linear import LinearMethod, OneDnnLinear
         dtype = getattr(torch, kind)
         xd, wd = x.to(dtype), w.to(dtype)
-        fn = lambda: torch.nn.functional.linear(xd, wd)                 # noqa: E731
+        packer = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
+        packed = packer.prepare(wd)
+        fn = lambda: packer.apply(xd, wd, packed)                       # noqa: E731
     for _ in range(5):
         fn()
     reps, start = 0, time.perf_counter()

@@ -247,6 +247,7 @@ def test_int8_runs_as_an_avx2_cpu_runs_it(default_model: str) -> None:
         " max_tokens=8, ignore_eos=True), use_tqdm=False)[0]\n"
         "print(' '.join(map(str, o.token_ids)))\n")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
+               MKL_ENABLE_INSTRUCTIONS="AVX2",
                KVFLOW_KERNEL_ISA="avx2", KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)

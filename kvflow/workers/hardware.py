@@ -36,8 +36,9 @@ def _cpuinfo() -> dict[str, str]:
 
 # Run as a CPU with fewer extensions would (benchmarks, e.g. an AVX2-only server on an AVX-512
 # machine): the flags kvflow decides by, from this variable (space-separated) instead of
-# /proc/cpuinfo. With KVFLOW_KERNEL_ISA (kernels/cpu_ops.py), ONEDNN_MAX_CPU_ISA and
-# ATEN_CPU_CAPABILITY the whole engine runs that CPU's code (benchmarks/cpu_peers.py --isa).
+# /proc/cpuinfo. With KVFLOW_KERNEL_ISA (kernels/cpu_ops.py), ONEDNN_MAX_CPU_ISA,
+# MKL_ENABLE_INSTRUCTIONS and ATEN_CPU_CAPABILITY the whole engine runs that CPU's code
+# (benchmarks/cpu_peers.py --isa).
 FLAGS_OVERRIDE = "KVFLOW_CPU_FLAGS"
 
 
