@@ -25,7 +25,7 @@ Engines (--only, comma-separated; default all):
     python benchmarks/cpu_peers.py                         # everything (~40 min on 2 cores)
     python benchmarks/cpu_peers.py --only kvflow-auto,llamacpp-BF16,vllm-auto-allcores
     python benchmarks/cpu_peers.py --isa avx2 --only kvflow-float32,kvflow-int8
-        # kvflow as an AVX2-only CPU runs it (oneDNN and torch at AVX2, kvflow's kernels
+        # kvflow as an AVX2-only CPU runs it (oneDNN, MKL, torch at AVX2, kvflow's kernels
         # without AVX-512, its CPU-flag decisions from KVFLOW_CPU_FLAGS); peers run natively
 """
 from __future__ import annotations
