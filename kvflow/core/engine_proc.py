@@ -20,7 +20,8 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore, StepFailure
 from kvflow.core.executor import TICK, MultiprocExecutor, WorkerFailure
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineOutputs, EngineReady, EngineRequest,
-                                 FromEngine, GetTimings, ResetPrefixCache, Shutdown, ToEngine)
+                                 EngineRequests, FromEngine, GetTimings, ResetPrefixCache,
+                                 Shutdown, ToEngine)
 from kvflow.ipc.process import child_args, startup_done
 from kvflow.ipc.sockets import Channel, make_socket
 
@@ -81,6 +82,9 @@ class EngineCoreProc:
     def handle(self, msg: object) -> None:
         if isinstance(msg, EngineRequest):
             self.core.add_request(msg)
+        elif isinstance(msg, EngineRequests):
+            for request in msg.requests:
+                self.core.add_request(request)
         elif isinstance(msg, Abort):
             self.core.abort(msg.request_ids)
         elif isinstance(msg, (ResetPrefixCache, GetTimings)):

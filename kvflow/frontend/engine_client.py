@@ -20,7 +20,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.errors import EngineDeadError
 from kvflow.ipc.messages import (Abort, ChildFailed, EngineOutputs, EngineReady, EngineRequest,
-                                 FromEngine, Shutdown, ToEngine, UtilityCall,
+                                 EngineRequests, FromEngine, Shutdown, ToEngine, UtilityCall,
                                  UtilityResult)
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, ipc_address, make_socket
@@ -145,8 +145,9 @@ class MultiprocEngine:
             self._die(f"EngineCore (pid {self.proc.pid}) is not connected")
 
     def add_requests(self, requests: list[EngineRequest]) -> None:
-        for request in requests:
-            self._send(request)
+        """In one message: EngineCore steps with all of them or none."""
+        if requests:
+            self._send(requests[0] if len(requests) == 1 else EngineRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead is None:

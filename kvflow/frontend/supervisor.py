@@ -96,11 +96,13 @@ class SupervisedEngine:
     def add_requests(self, requests: list[EngineRequest]) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        batch = []
         for request in requests:
             t = self.tracked[request.request_id] = Tracked(request)
             self.held.add(request.request_id)
-            if self.engine is not None:
-                self._send(t)                 # held while restarting, sent at the install
+            batch.append(t)
+        if self.engine is not None:
+            self._send(batch)                 # held while restarting, sent at the install
         self._wake()                          # a death seen while sending: drain() handles it
 
     def abort(self, request_ids: list[str]) -> None:
@@ -197,28 +199,30 @@ class SupervisedEngine:
 
     # --- following requests ----------------------------------------------------------------
 
-    def _send(self, t: Tracked) -> None:
-        """To the current engine; a death seen here is left for drain() (engine.dead)."""
+    def _send(self, batch: list[Tracked]) -> None:
+        """To the current engine, in one message; a death seen here is left for drain()
+        (engine.dead)."""
         engine = self.engine
         assert engine is not None
-        if engine.dead is not None:
+        if engine.dead is not None or not batch:
             return
         if not any(x.sent for x in self.tracked.values()):
             engine.last_heard = time.monotonic()    # it was idle: silence so far is no hang
-        r = t.request
         try:
-            engine.add_requests([EngineRequest(r.request_id, r.prompt_token_ids,
-                                               r.sampling_params, r.arrival_time,
-                                               list(t.outputs))])
+            engine.add_requests([EngineRequest(t.request.request_id, t.request.prompt_token_ids,
+                                               t.request.sampling_params,
+                                               t.request.arrival_time, list(t.outputs))
+                                 for t in batch])
         except EngineDeadError:
             return
-        t.sent = True
-        self.held.discard(r.request_id)
-        if t.ever_sent:
-            self.offset -= 1                  # counted by an earlier engine already
-        else:
-            t.ever_sent = True
-            self.num_ever_sent += 1
+        for t in batch:
+            t.sent = True
+            self.held.discard(t.request.request_id)
+            if t.ever_sent:
+                self.offset -= 1              # counted by an earlier engine already
+            else:
+                t.ever_sent = True
+                self.num_ever_sent += 1
 
     def _track(self, outputs: EngineOutputs) -> EngineOutputs:
         for delta in outputs.outputs:
@@ -251,7 +255,7 @@ class SupervisedEngine:
         for t in self.tracked.values():
             if t.sent or (t.crashes and suspect_out):
                 continue
-            self._send(t)
+            self._send([t])
             suspect_out = suspect_out or bool(t.crashes)
 
     # --- death, hangs, restarts --------------------------------------------------------------

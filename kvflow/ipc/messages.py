@@ -45,6 +45,14 @@ class EngineRequest(_Hot, tag=True):
     output_token_ids: list[int] = []
 
 
+class EngineRequests(_Hot, tag=True):
+    """Several requests in one message (an `LLM.generate` batch): EngineCore takes them all in
+    before its next step, so the batch's first step does not depend on how fast the frontend
+    sent them (a step's batch decides which kernel a product runs on: results of bfloat16
+    differ in the last bits between them)."""
+    requests: list[EngineRequest]
+
+
 class Abort(_Hot, tag=True):
     request_ids: list[str]
 
@@ -223,7 +231,7 @@ class ClusterInfo(msgspec.Struct, frozen=True):
 
 
 # What each receiver accepts (a tagged union per socket direction).
-ToEngine = EngineRequest | Abort | ResetPrefixCache | GetTimings | Shutdown
+ToEngine = EngineRequest | EngineRequests | Abort | ResetPrefixCache | GetTimings | Shutdown
 FromEngine = EngineOutputs | EngineReady | ChildFailed | UtilityResult
 ToWorker = StepPlan | StepMasks | Ping | Shutdown
 FromWorker = StepResult | WorkerReady | Pong | ChildFailed
