@@ -88,3 +88,19 @@ def test_seeded_sampling_independent_of_batch(default_model: str) -> None:
         mixed = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]], [other, seeded, other],
                              use_tqdm=False)[1]
     assert alone.token_ids == mixed.token_ids
+
+
+def test_a_generate_batch_is_scheduled_together(default_model: str) -> None:
+    """LLM.generate's prompts reach EngineCore in one message, so its first step has all of
+    them: 16 one-token requests take exactly one step (sent one by one, EngineCore could start
+    stepping on the first; the step's batch decides the kernels, and bfloat16's greedy tokens
+    then changed between identical calls)."""
+    from kvflow.ipc.messages import GetTimings
+    with LLM(default_model, kv_cache_memory_gb=0.05, max_model_len=256) as llm:
+        for call in range(3):
+            before = llm.engine.utility(GetTimings(2 * call))["num_steps"]
+            outs = llm.generate([[100 + i] * 8 for i in range(16)],
+                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                use_tqdm=False)
+            assert [len(o.token_ids) for o in outs] == [1] * 16
+            assert llm.engine.utility(GetTimings(2 * call + 1))["num_steps"] - before == 1
