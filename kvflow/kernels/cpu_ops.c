@@ -466,15 +466,12 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {  
     }                                                                                         \
 }
 
-/* Per-token (row) quantization of a linear layer's input, for oneDNN's u8 x s8 GEMM
- * (layers/linear.py, Int8Linear): scale = max|x| / levels (1 for an all-zero row),
- * q = round(x / scale) + levels + 1 as uint8, so the zero point is levels + 1 for every row
- * and the per-row scale is applied to the GEMM's output. levels = 127: 8 bits (zero point
- * 128), what Int8Linear uses (on CPUs without VNNI with 7-bit weights instead); 63: 7 bits
- * (zero point 64). */
+/* Per-token (row) int8 quantization of a linear layer's input, for oneDNN's u8 x s8 GEMM
+ * (layers/linear.py, Int8Linear): scale = max|x| / 127 (1 for an all-zero row),
+ * q = round(x / scale) + 128 as uint8, so the zero point is 128 for every row and the
+ * per-row scale is applied to the GEMM's output. */
 #define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                   \
-void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales, \
-          int64_t levels) {                                                                   \
+void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, float *scales) { \
     PARALLEL_IF(rows * n)                                                                     \
     for (int64_t r = 0; r < rows; r++) {                                                      \
         const T *xr = x + r * stride;                                                         \
@@ -482,12 +479,11 @@ void NAME(const T *x, int64_t stride, int64_t rows, int64_t n, uint8_t *out, flo
         float m = 0.0f;                                                                       \
         _Pragma("omp simd reduction(max:m)")                                                  \
         for (int64_t i = 0; i < n; i++) { const float v = fabsf(LOAD(xr[i])); m = v > m ? v : m; } \
-        const float scale = m > 0.0f ? m / (float)levels : 1.0f, inv = 1.0f / scale;          \
-        const float zero = (float)(levels + 1);                                               \
+        const float scale = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / scale;                 \
         scales[r] = scale;                                                                    \
         _Pragma("omp simd")                                                                   \
         for (int64_t i = 0; i < n; i++)                                                       \
-            o[i] = (uint8_t)(int32_t)(nearbyintf(LOAD(xr[i]) * inv) + zero);                  \
+            o[i] = (uint8_t)(int32_t)(nearbyintf(LOAD(xr[i]) * inv) + 128.0f);                \
     }                                                                                         \
 }
 

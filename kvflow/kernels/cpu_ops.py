@@ -142,7 +142,7 @@ def _load(path: Path) -> ctypes.CDLL:
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr]),
         "rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]),
         "argmax": (None, [ptr, i64, i64, i64, ptr]),
-        "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr, i64]),
+        "quantize_rows": (None, [ptr, i64, i64, i64, ptr, ptr]),
         "scale_rows": (None, [ptr, i64, i64, ptr, ptr, ptr]),
     }
     for op, (restype, argtypes) in signatures.items():
@@ -273,16 +273,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     return out.view(x.shape[:-1] + (n,))
 
 
-def quantize_rows(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row quantization for Int8Linear (layers/linear.py): uint8 rows with zero point
-    levels + 1 and float32 scales [rows], x ~ (q - levels - 1) * scale (levels 127: 8 bits;
-    63: 7 bits); `quantize_rows_ref` is the reference."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 quantization for Int8Linear (layers/linear.py): uint8 rows with zero point
+    128 and float32 scales [rows], x ~ (q - 128) * scale; `quantize_rows_ref` is the reference."""
     n = x.shape[-1]
     rows, stride = _rows(x, n)
     q = torch.empty(rows.shape, dtype=torch.uint8)
     scales = torch.empty(rows.shape[0], dtype=torch.float32)
     _fn("quantize_rows", x.dtype)(rows.data_ptr(), stride, rows.shape[0], n, q.data_ptr(),
-                                  scales.data_ptr(), levels)
+                                  scales.data_ptr())
     return q, scales
 
 

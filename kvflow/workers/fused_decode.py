@@ -5,10 +5,11 @@ all-reduce), instead of a dozen torch and ctypes calls per layer.
 
 The CPU counterpart of CUDA graphs (workers/cuda_graphs.py): the same model, the same kernels
 and roundings, minus the per-op overhead, used by the model runner for decode steps of at
-most `max_tokens` tokens; larger steps and prefill chunks run the model's own forward. `models/llama.py` stays the description of the model; this module reads the
-weights the model loaded (the row-major weights its linears keep for the gemv kernel,
-layers/linear.py) and its KV cache, and is tested token for token against the model's own
-forward (tests/test_fused_decode.py).
+most `max_tokens` tokens; larger steps and prefill chunks run the model's own forward.
+`models/llama.py` stays the description of the model; this module reads the weights the
+model loaded (the row-major weights its linears keep for the gemv kernel, layers/linear.py)
+and its KV cache, and is tested token for token against the model's own forward
+(tests/test_fused_decode.py).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _library() -> Any:
 
 
 class FusedDecode:
-    """Built once after loading (`build` says why not, where it cannot run); then
+    """Built once after loading (`unusable` says why not, where it cannot run); then
     `forward(input_ids, positions, meta)` is the model's forward for decode-only steps."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, tp: TPGroup,

@@ -128,14 +128,14 @@ def gemv_operands(prepared: Any) -> GemvOperands | None:
     return None
 
 
-def quantize_rows_ref(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) quantization, the reference of the C kernel (kernels/cpu_ops.py
-    quantize_rows): uint8 with zero point levels + 1, float32 scale per row (max|x| /
-    levels, 1 for a zero row), x ~ (q - levels - 1) * scale. levels 127: 8 bits; 63: 7."""
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) int8 quantization, the reference of the C kernel
+    (kernels/cpu_ops.py quantize_rows): uint8 with zero point 128, float32 scale per row
+    (max|x| / 127, 1 for a zero row), x ~ (q - 128) * scale."""
     x = x.reshape(-1, x.shape[-1]).float()
     peak = x.abs().amax(dim=1)
-    scales = torch.where(peak > 0, peak / levels, torch.ones_like(peak))
-    q = torch.round(x * (1.0 / scales).unsqueeze(1)) + float(levels + 1)
+    scales = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
+    q = torch.round(x * (1.0 / scales).unsqueeze(1)) + 128.0
     return q.to(torch.uint8), scales
 
 
@@ -188,14 +188,16 @@ class Int8Linear(LinearMethod):
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
       (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
       int8 GEMM (VNNI, AMX where the CPU has them) into float32; the GEMM's weights are 7-bit
-      where the CPU lacks VNNI and AMX-INT8 (`gemm_weight_levels`: W7A8); each output row is then scaled by its token's scale
-      (`scale_rows`, which also adds the bias and rounds once to the model dtype).
+      where the CPU lacks VNNI and AMX-INT8 (`gemm_weight_levels`: W7A8); each output row is
+      then scaled by its token's scale (`scale_rows`, which also adds the bias and rounds
+      once to the model dtype).
     Same results as the float layer within int8 rounding (tests/test_int8.py). Until
     `finish_loading` it multiplies by the float weight (the SmoothQuant calibration pass runs
     then)."""
     name = "int8"
 
-    def __init__(self, quantize_rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    def __init__(self, quantize_rows: Callable[[torch.Tensor],
+                                               tuple[torch.Tensor, torch.Tensor]]
                  = quantize_rows_ref,
                  scale_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                        torch.dtype], torch.Tensor] = scale_rows_ref,
@@ -203,7 +205,6 @@ class Int8Linear(LinearMethod):
                  weight_levels: int | None = None) -> None:
         self.quantize_rows = quantize_rows
         self.scale_rows = scale_rows
-        self.levels = 127                        # activations: 8 bits, zero point 128
         self.weight_levels = (gemm_weight_levels(cpu_flags()) if weight_levels is None
                               else weight_levels)
         self.gemv = gemv
@@ -234,9 +235,8 @@ class Int8Linear(LinearMethod):
                              None if bias is None else bias.float(),
                              in_scale=prepared.in_scale)
         shape = x.shape
-        q, x_scales = self.quantize_rows(x, self.levels)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, self.levels + 1, prepared.packed,
-                                               prepared.scales,
+        q, x_scales = self.quantize_rows(x)              # 8 bits, zero point 128
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,
                                                prepared.zero_points, None, 1.0, 0,
                                                torch.float32, "none", [None], "")
         y = self.scale_rows(y, x_scales, None if bias is None else bias.float(), x.dtype)
