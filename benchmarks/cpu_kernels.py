@@ -14,8 +14,10 @@ its baseline in the same run:
 - decode attention over all layers of one step (batch, context ~ uniform(ctx/2, 3ctx/2)),
   with each request's blocks in one run (what the block manager aims for) and scattered at
   random (its worst case): the `cpu` backend, and the `torch` backend's gathers + bmm;
-- prefill attention of one layer for a batch of prompts: `cpu` (every new token a causal row
-  of the paged kernel) against `torch` (one SDPA call per request);
+- prefill attention of one layer, for a batch of prompts and for one long prompt: `cpu`
+  (a prompt's rows in flash-style tiles of 32), the same kernel row by row (how it ran before
+  the tiles: each new token a causal row), and `torch` (one SDPA call per request), with
+  GFLOP/s (4 x heads x head_dim x n(n+1)/2 per prompt);
 - the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
 
     python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32] [--isa avx2]
@@ -95,12 +97,47 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             del copies
 
 
+def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tensor],
+                      args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """One layer's prefill of these prompts: the cpu kernel's tiles, the same kernel row by
+    row (the entries reversed, so no run of rows is a tile: how it ran before the tiles), and
+    the torch backend (one SDPA call per request)."""
+    block_size, heads, head_dim = backends["cpu"].block_size, 9, 64
+    num_blocks = cache[0].shape[1] // block_size
+    spans = spans_for(lengths, lengths, block_size, num_blocks, "runs", rng)
+    dtype, scale = backends["cpu"].dtype, head_dim ** -0.5
+    q = torch.randn(sum(lengths), heads, head_dim).to(dtype)
+    slots = np.zeros(sum(lengths), dtype=np.int64)
+    k, v = cache
+    metas = {name: backend.build_metadata(slots, [], spans) for name, backend in backends.items()}
+    meta = metas["cpu"]
+    metas["rows"] = type(meta)(meta.slot_mapping, meta.block_tables, meta.table_rows.flip(0),
+                               meta.context_lens.flip(0), meta.q_rows.flip(0))
+    assert all(rows == 1 for _, rows in cpu_ops.attention_work_items(
+        metas["rows"].table_rows, metas["rows"].context_lens, metas["rows"].q_rows, head_dim))
+    result = {}
+    for name, meta in metas.items():
+        backend = backends["cpu" if name == "rows" else name]
+        result[name] = timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
+    flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
+    rate = {name: flops / seconds / 1e9 for name, seconds in result.items()}
+    what = (f"{len(lengths)} prompts of 32..256 ({sum(lengths)} tokens)" if len(lengths) > 1
+            else f"one prompt of {lengths[0]} tokens")
+    print(f"prefill attention, one layer, {what}:\n"
+          f"  cpu tiles {1e3 * result['cpu']:8.2f} ms ({rate['cpu']:5.1f} GFLOP/s), "
+          f"cpu rows {1e3 * result['rows']:8.2f} ms ({rate['rows']:5.1f}): "
+          f"{result['rows'] / result['cpu']:.2f}x, torch (SDPA) {1e3 * result['torch']:8.2f} ms "
+          f"({rate['torch']:5.1f}): {result['torch'] / result['cpu']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=400)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=15, help="prefill: prompts 32..256")
+    parser.add_argument("--long-prompt", type=int, default=2048,
+                        help="prefill: then one prompt of this many tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -145,18 +182,8 @@ def main() -> None:
               f"({kv_bytes / result['cpu'] / 1e9:4.1f} GB/s), torch "
               f"{1e3 * result['torch']:7.1f} ms: {result['torch'] / result['cpu']:.1f}x")
 
-    lengths = rng.integers(32, 257, args.prompts).tolist()
-    spans = spans_for(lengths, lengths, block_size, num_blocks, "runs", rng)
-    q = torch.randn(sum(lengths), heads, head_dim).to(dtype)
-    slots = np.zeros(sum(lengths), dtype=np.int64)
-    k, v = caches[0]
-    result = {}
-    for name, backend in backends.items():
-        meta = backend.build_metadata(slots, [], spans)
-        result[name] = timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
-    print(f"prefill attention, one layer, {args.prompts} prompts of 32..256 ({sum(lengths)} "
-          f"tokens): cpu {1e3 * result['cpu']:.2f} ms, torch (SDPA) "
-          f"{1e3 * result['torch']:.2f} ms: {result['torch'] / result['cpu']:.1f}x")
+    for lengths in (rng.integers(32, 257, args.prompts).tolist(), [args.long_prompt]):
+        prefill_attention(backends, lengths, caches[0], args, rng)
 
     logits = torch.randn(args.batch, 49152).to(dtype)
     ours = timed(lambda: cpu_ops.argmax(logits), args.repeats * 3)

@@ -116,6 +116,46 @@ def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype, num_heads: int,
+                                           num_kv_heads: int, head_dim: int,
+                                           block_size: int) -> None:
+    """Prefill runs around the tiled path's edges, with decodes between them: 15 rows (by
+    rows), exactly 16 and 32 (one tile), 33 after 40 cached tokens (a tile and one row's),
+    and 100 after 3 cached (tiles whose diagonal falls mid key tile). Contexts past one key
+    tile, block size 5 splits key tiles across blocks."""
+    q_lens = [15, 1, 16, 32, 1, 33, 100]
+    contexts = [15, 57, 16, 32, 9, 73, 103]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 3
+    spans = _spans(contexts, q_lens, block_size, num_blocks)
+    decodes = [s for s in spans if s.num_query_tokens == 1]
+    prefills = [s for s in spans if s.num_query_tokens > 1]
+    num_rows = sum(q_lens)
+    slots = np.zeros(num_rows, dtype=np.int64)
+    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
+    ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    q = torch.randn(num_rows, num_heads, head_dim).to(dtype) * 3    # peaked softmax rows
+    meta = fast.build_metadata(slots, decodes, prefills)
+    out = fast.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots, decodes, prefills), head_dim ** -0.5)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    # The partition into work items: which rows went through a tile.
+    items = cpu_ops.attention_work_items(meta.table_rows, meta.context_lens, meta.q_rows,
+                                         head_dim)
+    tiled = sorted(rows for _, rows in items if rows > 1)
+    assert sum(rows for _, rows in items) == num_rows
+    if head_dim % 32:                                  # 48, 16: every row alone
+        assert tiled == []
+    else:   # the 15-row run and the decodes alone; 16, 32, 32+1, 32+32+32+4 in tiles
+        assert tiled == [4, 16, 32, 32, 32, 32, 32]
+        assert len(items) == len(tiled) + 15 + 2 + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (300, 576), (7, 40)])
 def test_rms_norm_matches_torch(kernels: str, dtype: torch.dtype, rows: int,
                                 hidden: int) -> None:

@@ -155,6 +155,8 @@ def _load(path: Path) -> ctypes.CDLL:
     gemv_argtypes: list[Any] = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, ptr, i64, i64, ptr, i32,
                                 i64]
     lib.gemv.restype, lib.gemv.argtypes = ctypes.c_int, gemv_argtypes
+    lib.attention_work_items.restype = i64
+    lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     return lib
 
 
@@ -359,3 +361,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          "id lies outside its tensor")
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+
+
+def attention_work_items(table_rows: torch.Tensor, context_lens: torch.Tensor,
+                         q_rows: torch.Tensor, head_dim: int) -> list[tuple[int, int]]:
+    """How `paged_attention` splits these entries: (first entry, rows) per item. A prefill
+    run of at least 16 consecutive rows goes in tiles of up to 32 rows (flash-style), any
+    other entry alone (row by row). For tests."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+    n = q_rows.shape[0]
+    items = torch.empty(2 * n, dtype=torch.int64)
+    count = lib.attention_work_items(table_rows.data_ptr(), context_lens.data_ptr(),
+                                     q_rows.data_ptr(), n, head_dim, items.data_ptr())
+    return [(int(a), int(b)) for a, b in items[:2 * count].view(-1, 2).tolist()]

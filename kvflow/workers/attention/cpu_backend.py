@@ -25,7 +25,9 @@ class CpuBackend(AttentionBackend):
     new K/V rows (a memcpy a row instead of index_copy_), and attends for every query row,
     decode or prefill, in one call per layer, reading the paged cache in place (no block
     gathers, no bmm or SDPA calls). A prefill of n tokens after c cached ones is n rows with
-    contexts c+1 .. c+n: causal attention, cached prefix included. float32 and bfloat16."""
+    contexts c+1 .. c+n: causal attention, cached prefix included; the kernel takes such runs
+    in flash-style tiles. float32 and bfloat16. The cache is asked for 2 MB pages
+    (kv_cache.advise_huge_pages)."""
     name = "cpu"
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
