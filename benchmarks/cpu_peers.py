@@ -5,9 +5,11 @@ of its floor.
 - Concurrency 32, offline: N requests (default 32) of seeded random token-id prompts (32..512
   tokens) and output lengths (32..256), greedy, ignore_eos, all in flight at once. kvflow runs
   them through `LLM.generate`, vLLM through its own offline `LLM.generate` (in its venv),
-  llama-server gets all N at once on N slots. Floor: the workload's matmul FLOPs (2 x linear
+  llama-server gets all N at once on N slots. Floors: the workload's matmul FLOPs (2 x linear
   and LM-head params x tokens, plus attention) over the matmul GFLOP/s this CPU reaches in
-  the engine's arithmetic (measured here, 256 x 576 x 1536).
+  the engine's arithmetic (measured here, 256 x 576 x 1536): "of compute"; and a roofline,
+  which also counts what each decode step must read (the weights once, every running
+  request's K/V) over the read bandwidth: "of roofline".
 - Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
   (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type)
@@ -153,6 +155,29 @@ def workload_flops(hf: dict, prompts: list[list[int]], outputs: list[int]) -> fl
         tokens = len(prompt) + out
         flops += 2 * params * tokens + attention * tokens * (tokens + 1) / 2
     return flops
+
+
+def roofline_seconds(hf: dict, prompts: list[list[int]], outputs: list[int], gflops: float,
+                     weight_bytes: float, kv_bytes: float, bandwidth: float) -> float:
+    """The batch's time on a roofline: the prompts' FLOPs at the matmul speed, then each
+    decode step (all requests in flight, each leaving when its output is done) at the slower
+    of its FLOPs over that speed and its bytes over the read bandwidth: every weight once,
+    plus the K/V of every running request's context. At 32 requests a decode step reads more
+    than it computes, so the compute floor alone is far below anything reachable (kvflow and
+    vLLM both reached ~13% of bfloat16's)."""
+    params, attention = model_params(hf)
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads", heads)
+    kv_per_token = 2 * hf["num_hidden_layers"] * kv * (hf["hidden_size"] // heads) * kv_bytes
+    peak, read = gflops * 1e9, bandwidth * 1e9
+    seconds = sum(2 * params * len(p) + attention * len(p) * (len(p) + 1) / 2
+                  for p in prompts) / peak
+    for step in range(1, max(outputs)):
+        running = [len(p) + step for p, n in zip(prompts, outputs) if n > step]
+        flops = 2 * params * len(running) + attention * sum(running)
+        nbytes = params * weight_bytes + kv_per_token * sum(running)
+        seconds += max(flops / peak, nbytes / read)
+    return seconds
 
 
 # --- the engines ------------------------------------------------------------------------------
@@ -379,6 +404,14 @@ def main() -> None:
                 elapsed = offline(name, args, prompts, outputs)
                 row["tok_s"] = sum(outputs) / elapsed
                 row["compute_share"] = flops / (floors[FLOOR_KIND[name]] * 1e9) / elapsed
+                kind = weight_kind(name, auto_kind)
+                # K/V: llama.cpp's cache is float16; the others' is their compute dtype.
+                kv_bytes = 2.0 if name.startswith("llamacpp") or kind != "float32" else 4.0
+                if name == "kvflow-int8":
+                    kv_bytes = WEIGHT_BYTES[auto_kind]
+                row["roofline_share"] = roofline_seconds(
+                    hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
+                    kv_bytes, bandwidth) / elapsed
             except Exception as e:      # a peer that fails must not lose the other rows
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
         if "single" not in args.skip:
@@ -399,11 +432,11 @@ def main() -> None:
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
     fmt = lambda v, f: format("-", f">{f.split('.')[0]}s") if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'c=1 TPOT ms':>13s}"
-          f"{'read floor':>11s}{'of floor':>9s}")
+    print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'of roofline':>12s}"
+          f"{'c=1 TPOT ms':>13s}{'read floor':>11s}{'of floor':>9s}")
     for name, r in rows.items():
         print(f"{name:24s}{fmt(r.get('tok_s'), '11.1f')}{fmt(r.get('compute_share'), '11.0%')}"
-              f"{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
+              f"{fmt(r.get('roofline_share'), '12.0%')}{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
               f"{fmt(r.get('read_share'), '9.0%')}")
     for name, r in rows.items():
         for part in ("offline_error", "single_error"):
