@@ -14,10 +14,11 @@ its baseline in the same run:
 - decode attention over all layers of one step (batch, context ~ uniform(ctx/2, 3ctx/2)),
   with each request's blocks in one run (what the block manager aims for) and scattered at
   random (its worst case): the `cpu` backend, and the `torch` backend's gathers + bmm;
-- prefill attention of one layer, for a batch of prompts and for one long prompt: `cpu`
-  (a prompt's rows in flash-style tiles of 32), the same kernel row by row (how it ran before
-  the tiles: each new token a causal row), and `torch` (one SDPA call per request), with
-  GFLOP/s (4 x heads x head_dim x n(n+1)/2 per prompt);
+- prefill attention of one layer, for a batch of prompts and for one long prompt: `cpu` (the
+  backend as it runs: the kernel's tiles, or on CPUs with AMX SDPA for long bfloat16
+  prompts), the kernel's flash-style tiles of 32 rows, the same kernel row by row (how it ran
+  before the tiles: each new token a causal row), and `torch` (one SDPA call per request),
+  with GFLOP/s (4 x heads x head_dim x n(n+1)/2 per prompt);
 - the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
 
     python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32] [--isa avx2]
@@ -99,35 +100,41 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
 
 def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tensor],
                       args: argparse.Namespace, rng: np.random.Generator) -> None:
-    """One layer's prefill of these prompts: the cpu kernel's tiles, the same kernel row by
-    row (the entries reversed, so no run of rows is a tile: how it ran before the tiles), and
-    the torch backend (one SDPA call per request)."""
-    block_size, heads, head_dim = backends["cpu"].block_size, 9, 64
+    """One layer's prefill of these prompts: the cpu backend as it runs them (on CPUs with AMX,
+    bfloat16 prompts of SDPA_MIN_ROWS or more go to SDPA), the kernel's tiles, the same kernel
+    row by row (the entries reversed, so no run of rows is a tile: how it ran before the
+    tiles), and the torch backend (one SDPA call per request)."""
+    cpu = backends["cpu"]
+    block_size, heads, head_dim = cpu.block_size, 9, 64
+    kernel_only = CpuBackend(block_size, cpu.kv_shape[0], head_dim, cpu.dtype, cpu.device)
+    kernel_only.sdpa_min_rows = 0
     num_blocks = cache[0].shape[1] // block_size
     spans = spans_for(lengths, lengths, block_size, num_blocks, "runs", rng)
-    dtype, scale = backends["cpu"].dtype, head_dim ** -0.5
-    q = torch.randn(sum(lengths), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    q = torch.randn(sum(lengths), heads, head_dim).to(cpu.dtype)
     slots = np.zeros(sum(lengths), dtype=np.int64)
     k, v = cache
-    metas = {name: backend.build_metadata(slots, [], spans) for name, backend in backends.items()}
-    meta = metas["cpu"]
-    metas["rows"] = type(meta)(meta.slot_mapping, meta.block_tables, meta.table_rows.flip(0),
-                               meta.context_lens.flip(0), meta.q_rows.flip(0))
+    runs = {"cpu": (cpu, cpu.build_metadata(slots, [], spans)),
+            "tiles": (kernel_only, kernel_only.build_metadata(slots, [], spans)),
+            "torch": (backends["torch"], backends["torch"].build_metadata(slots, [], spans))}
+    meta = runs["tiles"][1]
+    runs["rows"] = (kernel_only, type(meta)(meta.slot_mapping, meta.block_tables,
+                                            meta.table_rows.flip(0), meta.context_lens.flip(0),
+                                            meta.q_rows.flip(0)))
     assert all(rows == 1 for _, rows in cpu_ops.attention_work_items(
-        metas["rows"].table_rows, metas["rows"].context_lens, metas["rows"].q_rows, head_dim))
-    result = {}
-    for name, meta in metas.items():
-        backend = backends["cpu" if name == "rows" else name]
-        result[name] = timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
+        runs["rows"][1].table_rows, runs["rows"][1].context_lens, runs["rows"][1].q_rows,
+        head_dim))
+    result = {name: timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
+              for name, (backend, meta) in runs.items()}
     flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
-    rate = {name: flops / seconds / 1e9 for name, seconds in result.items()}
     what = (f"{len(lengths)} prompts of 32..256 ({sum(lengths)} tokens)" if len(lengths) > 1
             else f"one prompt of {lengths[0]} tokens")
-    print(f"prefill attention, one layer, {what}:\n"
-          f"  cpu tiles {1e3 * result['cpu']:8.2f} ms ({rate['cpu']:5.1f} GFLOP/s), "
-          f"cpu rows {1e3 * result['rows']:8.2f} ms ({rate['rows']:5.1f}): "
-          f"{result['rows'] / result['cpu']:.2f}x, torch (SDPA) {1e3 * result['torch']:8.2f} ms "
-          f"({rate['torch']:5.1f}): {result['torch'] / result['cpu']:.2f}x")
+    sdpa = len(runs["cpu"][1].sdpa_prefills)
+    print(f"prefill attention, one layer, {what} (the cpu backend sends {sdpa} to SDPA):")
+    print("  " + ", ".join(f"{name} {1e3 * s:.2f} ms ({flops / s / 1e9:.0f} GFLOP/s)"
+                           for name, s in result.items())
+          + f"; tiles vs rows {result['rows'] / result['tiles']:.2f}x, cpu vs torch "
+          f"{result['torch'] / result['cpu']:.2f}x")
 
 
 def main() -> None:

@@ -155,6 +155,46 @@ def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype, num
         assert len(items) == len(tiled) + 15 + 2 + 1
 
 
+@pytest.mark.parametrize("flags,dtype,to_sdpa", [
+    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.bfloat16, True),
+    ("avx512f avx512_bf16", torch.bfloat16, False),            # no AMX: every row in C
+    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.float32, False)])
+def test_long_bfloat16_prompts_go_to_sdpa_with_amx(monkeypatch: pytest.MonkeyPatch, flags: str,
+                                                   dtype: torch.dtype, to_sdpa: bool) -> None:
+    """On a CPU with AMX, bfloat16 prompts of SDPA_MIN_ROWS tokens or more (one with a cached
+    prefix among them) are attended by SDPA, the rest of the batch by the kernel, every row
+    where the torch backend puts it; elsewhere, and in float32, the kernel does them all."""
+    from kvflow.workers.attention.cpu_backend import SDPA_MIN_ROWS
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+    bs, kv_heads, heads, d = 16, 3, 9, 64
+    q_lens = [1, SDPA_MIN_ROWS, 40, SDPA_MIN_ROWS + 30, 1]
+    contexts = [70, SDPA_MIN_ROWS, 40, SDPA_MIN_ROWS + 100, 9]      # the 4th: 70 cached
+    num_blocks = sum(-(-c // bs) for c in contexts) + 2
+    spans = _spans(contexts, q_lens, bs, num_blocks)
+    decodes = [s for s in spans if s.num_query_tokens == 1]
+    prefills = [s for s in spans if s.num_query_tokens > 1]
+    slots = np.zeros(sum(q_lens), dtype=np.int64)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
+    ref = TorchBackend(bs, kv_heads, d, torch.float32, CPU)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    q = torch.randn(sum(q_lens), heads, d).to(dtype)
+    meta = fast.build_metadata(slots, decodes, prefills)
+    assert len(meta.sdpa_prefills) == (2 if to_sdpa else 0)
+    assert meta.q_rows.numel() == sum(q_lens) - (2 * SDPA_MIN_ROWS + 30 if to_sdpa else 0)
+    out = fast.attend(q, k_cache, v_cache, meta, 0.125)
+    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots, decodes, prefills), 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    only = fast.build_metadata(slots[:SDPA_MIN_ROWS], [], [spans[1]._replace(first_row=0)])
+    assert only.q_rows.numel() == (0 if to_sdpa else SDPA_MIN_ROWS)   # nothing for the kernel
+    out = fast.attend(q[:SDPA_MIN_ROWS], k_cache, v_cache, only, 0.125)
+    expected = ref.attend(q[:SDPA_MIN_ROWS].float(), k_cache.float(), v_cache.float(),
+                          ref.build_metadata(slots[:SDPA_MIN_ROWS], [],
+                                             [spans[1]._replace(first_row=0)]), 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (300, 576), (7, 40)])
 def test_rms_norm_matches_torch(kernels: str, dtype: torch.dtype, rows: int,

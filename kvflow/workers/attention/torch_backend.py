@@ -29,7 +29,7 @@ class TorchBackend(AttentionBackend):
                        prefills: list[SeqSpan]) -> TorchMetadata:
         return TorchMetadata(self._tensor(slot_mapping),
                              self._group(decodes) if decodes else None,
-                             self._prefills(prefills))
+                             self.prefill_metadata(prefills))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -42,7 +42,7 @@ class TorchBackend(AttentionBackend):
             prefill_attention(q, k_cache, v_cache, seq, self.block_size, scale, out)
         return out
 
-    def _prefills(self, spans: list[SeqSpan]) -> list[TorchPrefill]:
+    def prefill_metadata(self, spans: list[SeqSpan]) -> list[TorchPrefill]:
         """Per request: its blocks, and a mask when a cached prefix shifts the causal diagonal
         (SDPA's is_causal aligns top-left)."""
         seqs = []
