@@ -199,6 +199,32 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("flags,rows", [("avx2 fma", 32), ("avx2 fma avx512f avx512_vnni", 4),
+                                        ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4)])
+def test_without_vnni_int8_runs_weight_only_up_to_32_rows(monkeypatch: pytest.MonkeyPatch,
+                                                          flags: str, rows: int) -> None:
+    """The engine's int8 layers run products of up to 32 rows weight-only on the gemv kernel
+    where the CPU lacks VNNI and AMX-INT8 (oneDNN's W7A8 GEMM is the slower there), up to
+    GEMV_MAX_ROWS where it has them; either way the product is the float layer's within int8
+    rounding."""
+    from kvflow.workers.layers.ops import GEMV_MAX_ROWS, choose_ops
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+    method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8").linear
+    assert isinstance(method, Int8Linear) and method.max_rows == max(rows, GEMV_MAX_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 576, generator=gen)
+    prepared = method.prepare(w)
+    calls: list[int] = []
+    gemv = method.gemv
+    assert gemv is not None
+    method.gemv = lambda x, *a, **k: calls.append(x.shape[0]) or gemv(x, *a, **k)
+    for m in (1, 9, 32, 33):
+        x = torch.randn(m, 576, generator=gen)
+        got, ref = method.apply(x, w, prepared), torch.nn.functional.linear(x, w)
+        assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
+    assert calls == [m for m in (1, 9, 32, 33) if m <= method.max_rows]
+
+
 AVX2_CHECK = """
 import torch, sys
 from kvflow.workers.layers.linear import Int8Linear

@@ -24,7 +24,9 @@ from typing import Callable
 import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
-from kvflow.workers.layers.linear import GemvLinear, Int8Linear, LinearMethod, OneDnnLinear
+from kvflow.workers.hardware import cpu_flags
+from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, OneDnnLinear,
+                                         int8_gemv_rows)
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.sampler import torch_argmax
@@ -78,7 +80,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         if why is not None:
             raise ValueError(f"quantization='int8' cannot run: {why}")
         linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,
-                                           cpu_ops.gemv, GEMV_MAX_ROWS)
+                                           cpu_ops.gemv,
+                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS))
                                 if c_kernels else Int8Linear())
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
