@@ -365,9 +365,12 @@ static inline vf vexp(vf x) {
     return (vf)((vi)(p * (vf)pow2) & ~under);
 }
 
+/* Query vectors of a tile padded to whole register blocks (QK_ROWS, PV_ROWS divide 8). */
+static inline int64_t padded_rows(int64_t n) { return (n + 7) / 8 * 8; }
+
 /* Scratch floats a tile task needs. */
 static inline int64_t tile_scratch(int64_t group, int64_t D) {
-    const int64_t R = (TILE_Q * group + 7) / 8 * 8;
+    const int64_t R = padded_rows(TILE_Q * group);
     return 2 * R * D + R * TILE_K + 2 * TILE_K * D + (VL + 1) * R;
 }
 
@@ -379,7 +382,7 @@ static void NAME(const T *q, T *out, int64_t row_stride, const T *k_head, const 
                  const int32_t *table, int64_t ctx0, int64_t rows, int64_t bs,               \
                  int64_t group, int64_t D, float scale, float *scratch) {                     \
     const int64_t nr = rows * group;                                                          \
-    const int64_t R = (nr + 7) / 8 * 8;                /* QK_ROWS, PV_ROWS divide 8 */     \
+    const int64_t R = padded_rows(nr);                                                        \
     float *qf = scratch, *o = qf + R * D, *p = o + R * D, *kt = p + R * TILE_K;               \
     float *vt = kt + TILE_K * D, *lsum = vt + TILE_K * D, *mx = lsum + VL * R;               \
     for (int64_t r = 0; r < R; r++) {                                                         \
