@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvflow.kernels import cpu_ops
+from kvflow.workers.hardware import cpu_flags
 from kvflow.kernels.torch_attention import store_kv as torch_store_kv
 from kvflow.workers.attention import (CpuBackend, SeqSpan, TorchBackend, cpu_kernels_usable,
                                       resolve_backend)
@@ -370,6 +371,53 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
         torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
     one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
     assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 64), (16, 1536)])
+def test_gemv_amx_layout_matches_torch(kernels: str, m: int, n: int, k: int) -> None:
+    """bfloat16 weights in the AMX tile layout (pack_amx), where the library has AMX and Linux
+    grants it: any row count (32 at a time), the bias, bfloat16 and float32 outputs, against
+    float64 torch; a row's result does not depend on the batch. Builds without AMX (and CPUs
+    without it) must refuse to pack, so that the weight stays row-major."""
+    x = torch.randn(m, 2 * k)[:, ::2].bfloat16()
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
+    packed = cpu_ops.pack_amx(w)
+    if cpu_ops.gemv_amx_rows() == 0:
+        assert kernels != "native" or "amx_bf16" not in cpu_flags()
+        assert packed is None
+        return
+    assert packed is not None and packed.shape == w.shape and not torch.equal(packed, w)
+    ref = x.double() @ w.double().T + bias.double()
+    scale = float(ref.abs().max())
+    got = cpu_ops.gemv(x, packed, None, bias, amx=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
+    wide = cpu_ops.gemv(x, packed, None, bias, out_dtype=torch.float32, amx=True)
+    torch.testing.assert_close(wide.double(), ref, atol=1e-5 * scale, rtol=1e-5)
+    assert torch.equal(cpu_ops.gemv(x[:1], packed, None, bias, amx=True), got[:1])
+    with pytest.raises(RuntimeError, match="AMX path cannot run"):
+        cpu_ops.gemv(x.float(), packed, amx=True)        # the tile path takes bf16 x only
+
+
+def test_gemv_linear_holds_amx_tiles_where_it_can() -> None:
+    """GemvLinear with pack_amx: a bfloat16 weight it can tile is held tiled beside oneDNN's
+    copy, and every row count (the AMX path up to amx_rows, oneDNN above) gives F.linear's
+    result; shapes the tile path cannot take stay row-major on the gemv kernel."""
+    from kvflow.workers.layers.linear import GemvLinear, OneDnnLinear, gemv_operands
+    rows = cpu_ops.gemv_amx_rows()
+    method = GemvLinear(cpu_ops.gemv, OneDnnLinear(), 4, cpu_ops.pack_amx, rows)
+    for n, k in [(96, 64), (40, 64)]:                  # 40 outputs: not a multiple of 16
+        w = torch.randn(n, k).bfloat16()
+        prepared = method.prepare(w)
+        tiled = rows > 0 and n % 16 == 0 and OneDnnLinear.works(torch.bfloat16)
+        assert prepared.amx == tiled
+        assert gemv_operands(prepared).amx == tiled
+        for m in (1, 5, 32, 40):
+            x = torch.randn(m, k).bfloat16()
+            ref = x.double() @ w.double().T
+            torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
+                                       atol=4e-3 * float(ref.abs().max()), rtol=8e-3)
 
 
 def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:

@@ -48,14 +48,14 @@ int paged_attention_##S(const T *q, const T *k_cache, const T *v_cache,         
 DECLARE_OPS(float, f32)
 DECLARE_OPS(uint16_t, bf16)
 
-/* One linear layer's weight: W [n, k] row-major of `type`, int8's scale per row and
+/* One linear layer's weight: W [n, k] row-major of `type` (or bf16 in the AMX tile layout), int8's scale per row and
  * SmoothQuant's per input channel, bias. */
 typedef struct {
     const void *w;
     const float *scales;          /* int8 only, else NULL */
     const float *in_scale;        /* int8 with SmoothQuant: x is multiplied by it; or NULL */
     const float *bias;            /* float32, or NULL */
-    int32_t type;                 /* D_F32, D_BF16 (the model dtype) or D_I8 */
+    int32_t type;                 /* D_F32, D_BF16 (the model dtype), D_I8 or 3 (AMX bf16) */
     int64_t n, k;
 } Linear;
 

@@ -29,7 +29,8 @@
 #include <immintrin.h>
 #endif
 
-enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2 };
+/* T_BF16_AMX: bfloat16 packed for the tile unit (`pack_amx`), read only where it runs. */
+enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3 };
 
 static inline float gemv_bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -201,6 +202,136 @@ static inline void dot_tile_dpbf16(const uint16_t *w, int64_t K, int64_t nr,
 }
 #endif
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define KVFLOW_AMX 1
+/* --- AMX (bf16, Sapphire Rapids and later) -----------------------------------------------
+ * A decode step of 5..32 rows is still a stream of the weights, but too many rows for the
+ * vdpbf16ps loop above (it issues at half the rate of float32 FMAs on these CPUs) and too
+ * few for oneDNN's GEMM, which read the weights at 11-17 GB/s at 9..32 rows in a decode step
+ * on a machine that reads 25. On the tile unit C[m, n] = sum_k x[m, k] W[n, k] takes x's
+ * rows as they lie (A: 16 rows x 32 bf16) and W in the unit's B layout, packed once at load
+ * (`pack_amx`, T_BF16_AMX): for each 16 output rows and 32 inputs, a contiguous 1 KB tile of
+ * 16 input pairs x 16 outputs x 2. Each thread streams blocks of 32 output rows (two B tiles
+ * a step, contiguous: the hardware prefetcher keeps up; software prefetches 1-4 blocks ahead
+ * were no faster), and each result row is stored straight into `out`. Tiles: C 0-3 (x rows
+ * 0-15 / 16-31 by the block's two 16-output halves), A 4-5 (x rows 0-15, 16-31), B 6-7. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_MAX_ROWS 32
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) AmxConfig;
+
+/* Linux hands out the tile state only to processes that ask (arch_prctl, kernel >= 5.16). */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return state;
+}
+
+/* lo, hi: rows of x in the first and second 16 (hi may be 0). */
+static void amx_configure(int lo, int hi) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)lo;         /* C, A: x rows 0-15 */
+    c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)hi;         /* C, A: x rows 16-31 */
+    c.rows[6] = c.rows[7] = 16;                              /* B: 16 pairs */
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64;
+    if (!hi) c.colsb[2] = c.colsb[3] = c.colsb[5] = 0;
+    _tile_loadconfig(&c);
+}
+
+/* Rows r of a result tile (16 outputs from n0, float32, row stride 16) out, plus bias. */
+static inline void amx_store(const float *c, int64_t rows, int64_t m0, int64_t n0,
+                             const float *bias, void *out, int otype, int64_t ldo) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * r), b);
+        if (otype == T_F32)
+            _mm512_storeu_ps((float *)out + (m0 + r) * ldo + n0, v);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + r) * ldo + n0),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Outputs n0..n0+15 (and n0+16..n0+31 when two) for x rows 0..M-1 (M <= 32). */
+#define AMX_BLOCK(TWO, HI)                                                                    \
+    do {                                                                                      \
+        const uint16_t *b0 = wp + n0 * K;        /* 16 outputs x K: K/32 tiles of 512 */     \
+        _tile_zero(0);                                                                        \
+        if (TWO) _tile_zero(1);                                                               \
+        if (HI) { _tile_zero(2); if (TWO) _tile_zero(3); }                                    \
+        for (int64_t kb = 0; kb < K / 32; kb++) {                                             \
+            _tile_loadd(4, x + kb * 32, ldx * 2);                                             \
+            if (HI) _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);                          \
+            _tile_loadd(6, b0 + kb * 512, 64);                                                \
+            _tile_dpbf16ps(0, 4, 6);                                                          \
+            if (HI) _tile_dpbf16ps(2, 5, 6);                                                  \
+            if (TWO) {                                                                        \
+                _tile_loadd(7, b0 + 16 * K + kb * 512, 64);                                   \
+                _tile_dpbf16ps(1, 4, 7);                                                      \
+                if (HI) _tile_dpbf16ps(3, 5, 7);                                              \
+            }                                                                                 \
+        }                                                                                     \
+        _tile_stored(0, cbuf, 64);                                                            \
+        amx_store(cbuf, lo, 0, n0, bias, out, otype, ldo);                                    \
+        if (HI) { _tile_stored(2, cbuf, 64); amx_store(cbuf, hi, 16, n0, bias, out, otype, ldo); } \
+        if (TWO) {                                                                            \
+            _tile_stored(1, cbuf, 64);                                                        \
+            amx_store(cbuf, lo, 0, n0 + 16, bias, out, otype, ldo);                           \
+            if (HI) {                                                                         \
+                _tile_stored(3, cbuf, 64);                                                    \
+                amx_store(cbuf, hi, 16, n0 + 16, bias, out, otype, ldo);                      \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+/* out = x W^T (+ bias): x bf16 [M, K] (row stride ldx), W packed by `pack_amx` from [N, K],
+ * K % 32 == 0, N % 16 == 0. Returns 0, or 2 when the tile unit is unavailable. */
+static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t *wp,
+                      const float *bias, int64_t N, int64_t K, void *out0, int otype,
+                      int64_t ldo) {
+    if (!amx_usable()) return 2;
+    const int64_t osize = otype == T_F32 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_MAX_ROWS) {       /* 32 rows at a time */
+        const uint16_t *x = x0 + m0 * ldx;
+        void *out = (char *)out0 + m0 * ldo * osize;
+        const int64_t rows = M - m0 < AMX_MAX_ROWS ? M - m0 : AMX_MAX_ROWS;
+        const int lo = rows < 16 ? (int)rows : 16, hi = rows > 16 ? (int)rows - 16 : 0;
+        #pragma omp parallel if (N * K > 32768)
+        {
+            float cbuf[256] __attribute__((aligned(64)));
+            amx_configure(lo, hi);
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < (N + 31) / 32; b++) {
+                const int64_t n0 = b * 32;
+                const int two = N - n0 >= 32;
+                if (hi) { if (two) AMX_BLOCK(1, 1); else AMX_BLOCK(0, 1); }
+                else { if (two) AMX_BLOCK(1, 0); else AMX_BLOCK(0, 0); }
+            }
+            _tile_release();
+        }
+    }
+    return 0;
+}
+#endif
+
+/* Up to how many rows of x bf16 products run on the tile unit here (0: none). */
+int gemv_amx_rows(void) {
+#ifdef KVFLOW_AMX
+    return amx_usable() ? AMX_MAX_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 static inline void store_out(void *out, int otype, int64_t i, float v) {
     if (otype == T_F32) ((float *)out)[i] = v;
     else ((uint16_t *)out)[i] = gemv_f32_to_bf16(v);
@@ -211,11 +342,22 @@ static inline void store_out(void *out, int otype, int64_t i, float v) {
  * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
  * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
  * the weight-only path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
- * otype (row stride ldo). Returns 0, or 1 when out of memory. */
+ * otype (row stride ldo). Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the
+ * tile unit cannot run it (no AMX, x not bf16, K % 32 or N % 16 not 0). */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
     const int esize = wtype == T_F32 ? 4 : wtype == T_BF16 ? 2 : 1;
+    if (wtype == T_BF16_AMX) {
+#ifdef KVFLOW_AMX
+        if (xtype != T_BF16 || in_scale != NULL || scales != NULL || K % 32 || N % 16)
+            return 2;
+        return amx_linear((const uint16_t *)x, ldx, M, (const uint16_t *)w, bias, N, K, out,
+                          otype, ldo);
+#else
+        return 2;
+#endif
+    }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     const int pairs = wtype == T_BF16 && xtype == T_BF16 && K % 2 == 0 && ldx % 2 == 0
                       && in_scale == NULL;

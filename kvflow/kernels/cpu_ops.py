@@ -89,8 +89,11 @@ def _cpu_id() -> str:
 
 
 # Builds for less than this CPU has, so that every machine can test (and time) the code that
-# CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those.
-ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",)}
+# CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those (and
+# minus AMX, which no such CPU has).
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16", *_NO_AMX),
+             "avx2": ("-mno-avx512f", *_NO_AMX)}
 
 
 def load_isa(isa: str) -> ctypes.CDLL:
@@ -155,6 +158,7 @@ def _load(path: Path) -> ctypes.CDLL:
     gemv_argtypes: list[Any] = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, ptr, i64, i64, ptr, i32,
                                 i64]
     lib.gemv.restype, lib.gemv.argtypes = ctypes.c_int, gemv_argtypes
+    lib.gemv_amx_rows.restype, lib.gemv_amx_rows.argtypes = ctypes.c_int, []
     lib.attention_work_items.restype = i64
     lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     return lib
@@ -245,13 +249,34 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 GEMV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
+GEMV_AMX = 3           # cpu_gemv.c's T_BF16_AMX: bfloat16 in the tile unit's layout (pack_amx)
+
+
+def gemv_type(weight: torch.Tensor, amx: bool = False) -> int:
+    """cpu_gemv.c's code for a weight: its dtype's, or GEMV_AMX for one packed by pack_amx."""
+    return GEMV_AMX if amx else GEMV_TYPES[weight.dtype]
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [N, K] in the layout cpu_gemv.c's AMX path reads (`gemv(..., amx=True)`),
+    or None where that path cannot take it (no AMX here, not bfloat16, N % 16 or K % 32 not
+    0). Per 16 outputs and 32 inputs, one 1 KB tile: [input pair][output][2]. Shape [N, K]
+    kept, so the same checks and sizes hold."""
+    n, k = weight.shape
+    if gemv_amx_rows() == 0 or weight.dtype != torch.bfloat16 or n % 16 or k % 32:
+        return None
+    tiles = weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    return tiles.contiguous().view(n, k)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-         in_scale: torch.Tensor | None = None) -> torch.Tensor:
+         in_scale: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
     """(x * in_scale) W^T (+ bias) for a few rows of x, streaming W once (cpu_gemv.c):
     x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
-    `scales` [N] float32: W ~ int8 * scale per row); in_scale [K] float32 or None; bias [N]
-    float32 or None. Out: [..., N] in out_dtype (x's)."""
+    `scales` [N] float32: W ~ int8 * scale per row), or with amx=True bfloat16 packed by
+    `pack_amx` (x bfloat16); in_scale [K] float32 or None; bias [N] float32 or None.
+    Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
     n = weight.shape[0]
@@ -266,13 +291,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
     lib = library()
     assert lib is not None, build_error()
-    if lib.gemv(rows.data_ptr(), GEMV_TYPES[x.dtype], stride, rows.shape[0], weight.data_ptr(),
-                GEMV_TYPES[weight.dtype], None if scales is None else scales.data_ptr(),
-                None if in_scale is None else in_scale.data_ptr(),
-                None if bias is None else bias.data_ptr(), n, k, out.data_ptr(),
-                GEMV_TYPES[out_dtype], n):
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    code = lib.gemv(rows.data_ptr(), GEMV_TYPES[x.dtype], stride, rows.shape[0],
+                    weight.data_ptr(), gemv_type(weight, amx), ptr(scales), ptr(in_scale),
+                    ptr(bias), n, k, out.data_ptr(), GEMV_TYPES[out_dtype], n)
+    if code == 1:
         raise MemoryError("gemv could not allocate its scratch memory")
+    if code:
+        raise RuntimeError("gemv: the AMX path cannot run these operands here")
     return out.view(x.shape[:-1] + (n,))
+
+
+def gemv_amx_rows() -> int:
+    """Up to how many rows of x `gemv` multiplies bfloat16 weights on the CPU's AMX tile unit
+    (cpu_gemv.c, `amx_linear`): 32 where the library was built with AMX and Linux granted the
+    process its tile state, else 0."""
+    lib = library()
+    return 0 if lib is None else int(lib.gemv_amx_rows())
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

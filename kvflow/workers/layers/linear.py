@@ -78,32 +78,51 @@ class GemvWeight(NamedTuple):
     """A weight as GemvLinear holds it."""
     packed: Any                     # `inner`'s form of it (None: `inner` reads `plain`)
     plain: torch.Tensor             # [out, in] row-major, the model dtype: the gemv kernel's
+    amx: bool = False               # plain is in the AMX tile layout (kernels/cpu_ops.pack_amx)
 
 
 class GemvLinear(LinearMethod):
     """Decode-shaped products (at most `max_rows` rows of x) on kvflow's gemv kernel
     (kernels/cpu_gemv.c), which streams the row-major weight once at close to the memory's
     read speed; larger ones on `inner` (oneDNN's packed weight, or F.linear). The row-major
-    weight is the loaded one, kept beside `inner`'s copy."""
+    weight is the loaded one, kept beside `inner`'s copy.
+
+    With `pack_amx` (bfloat16 on CPUs with AMX, kernels/cpu_ops.py), each weight it can take
+    is held in the tile unit's layout instead, and products of up to `amx_rows` rows go to
+    the kernel's AMX path: at 5..32 rows a decode step's linears streamed their weights
+    faster there than in oneDNN's GEMM (benchmarks/cpu_kernels.py --gemv)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
-                 max_rows: int) -> None:
+                 max_rows: int,
+                 pack_amx: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 amx_rows: int = 0) -> None:
         self.gemv = gemv
         self.inner = inner
         self.max_rows = max_rows
-        self.name = f"gemv (<= {max_rows} rows) + {inner.name}"
+        self.pack_amx = pack_amx if amx_rows else None
+        self.amx_rows = amx_rows if pack_amx is not None else 0
+        self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
+                     if self.amx_rows else f"gemv (<= {max_rows} rows) + {inner.name}")
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
                 ) -> GemvWeight:
         weight = smoothed(weight, input_scale)
-        return GemvWeight(self.inner.prepare(weight), weight.contiguous())
+        packed = self.inner.prepare(weight)
+        # Only beside `inner`'s own copy: an `inner` that reads the plain weight needs it.
+        tiles = (self.pack_amx(weight) if self.pack_amx is not None and packed is not None
+                 else None)
+        if tiles is not None:
+            return GemvWeight(packed, tiles, amx=True)
+        return GemvWeight(packed, weight.contiguous())
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if prepared is None:                     # before finish_loading
             return F.linear(x, weight, bias)
-        if x.numel() <= self.max_rows * x.shape[-1]:
-            return self.gemv(x, prepared.plain, None, None if bias is None else bias.float())
+        rows = self.amx_rows if prepared.amx else self.max_rows
+        if x.numel() <= rows * x.shape[-1]:
+            return self.gemv(x, prepared.plain, None, None if bias is None else bias.float(),
+                             amx=prepared.amx)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
 
 
@@ -116,13 +135,14 @@ class GemvOperands(NamedTuple):
     weight: torch.Tensor                 # [out, in] row-major (model dtype, or int8)
     scales: torch.Tensor | None          # int8: float32 per output row
     in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
+    amx: bool = False                    # weight in the AMX tile layout (cpu_ops.pack_amx)
 
 
 def gemv_operands(prepared: Any) -> GemvOperands | None:
     """The gemv kernel's operands of a prepared weight (kernels/cpu_gemv.c; the fused decode
     path, workers/fused_decode.py), or None when it keeps none."""
     if isinstance(prepared, GemvWeight):
-        return GemvOperands(prepared.plain, None, None)
+        return GemvOperands(prepared.plain, None, None, prepared.amx)
     if isinstance(prepared, Int8Weight) and prepared.rows is not None:
         return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale)
     return None

@@ -86,7 +86,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
         if c_kernels:
-            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS)
+            amx_rows = cpu_ops.gemv_amx_rows() if dtype == torch.bfloat16 else 0
+            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS, cpu_ops.pack_amx, amx_rows)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
