@@ -123,3 +123,26 @@ def step_inputs(run: ModelRunner, spans: list[tuple[int, int]]) -> tuple:
         row += n
     meta = run.backend.build_metadata(np.concatenate(slots), decodes, prefills)
     return torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), meta
+
+
+def test_bfloat16_steps_of_up_to_32_tokens_run_fused_where_linears_are_tiled(
+        default_model: str) -> None:
+    """bfloat16 on a CPU with AMX: every linear is held in AMX tiles, the gemv kernel stays at
+    the memory's speed up to 32 rows, and so decode steps of up to 32 tokens run fused (8
+    elsewhere). A 20-request decode step through both paths agrees to bfloat16's rounding."""
+    from kvflow.kernels import cpu_ops
+    from kvflow.workers.fused_decode import FusedDecode
+    from kvflow.workers.layers.linear import OneDnnLinear
+    with LLM(default_model, in_process=True, dtype="bfloat16", kv_cache_memory_gb=0.2) as llm:
+        run = runner(llm)
+        assert run.fused is not None
+        tiled = cpu_ops.gemv_amx_rows() > 0 and OneDnnLinear.works(torch.bfloat16)
+        assert FusedDecode.tiled(run.model) == tiled
+        assert run.fused.max_tokens == (32 if tiled else 8)
+        assert run.fused.fits(20) == tiled
+        run.model(*step_inputs(run, [(40, 40)] * 20))
+        step = step_inputs(run, [(1, 41)] * 20)
+        fused = run.fused.forward(*step)                       # type: ignore[arg-type]
+        unfused = run.model(*step)
+    rel = (fused.float() - unfused.float()).norm(dim=1) / unfused.float().norm(dim=1)
+    assert float(rel.max()) < 0.03, rel

@@ -25,7 +25,7 @@ from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, Ops, choose_ops
+from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_AMX, Ops, choose_ops
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors
 from kvflow.workers.model_runner import ModelRunner
@@ -154,19 +154,23 @@ class Worker:
                            self.dtype, self.drafter)
 
     def _fuse_decode_steps(self) -> None:
-        """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens run every layer
-        in one C call (workers/fused_decode.py); enforce_eager keeps them unfused."""
+        """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (FUSED_MAX_TOKENS_AMX
+        where every linear is held in AMX tiles) run every layer in one C call
+        (workers/fused_decode.py); enforce_eager keeps them unfused."""
         if self.ops.name != "c" or self.backend.name != "cpu" or self.config.enforce_eager:
             return
         why = FusedDecode.unusable(self.model)
         if why is not None:
             logger.info("rank %d: decode steps unfused: %s", self.tp.rank, why)
             return
-        self.runner.fused = FusedDecode(self.model, self.kv_cache, self.tp, FUSED_MAX_TOKENS)
+        max_tokens = (FUSED_MAX_TOKENS_AMX if FusedDecode.tiled(self.model)
+                      else FUSED_MAX_TOKENS)
+        self.runner.fused = FusedDecode(self.model, self.kv_cache, self.tp, max_tokens)
 
     def _log_choices(self) -> None:
         fast = (" + decode CUDA graphs" if self.use_cuda_graphs
-                else " + fused decode steps" if self.runner.fused is not None else "")
+                else f" + fused decode steps (<= {self.runner.fused.max_tokens} tokens)"
+                if self.runner.fused is not None else "")
         logger.info("rank %d: device %s, attention backend %s%s, ops %s%s, linear %s",
                     self.tp.rank, self.device, self.backend.name,
                     " (auto)" if self.config.attention_backend == "auto" else "",
