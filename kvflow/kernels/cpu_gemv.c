@@ -208,14 +208,17 @@ static inline void dot_tile_dpbf16(const uint16_t *w, int64_t K, int64_t nr,
 /* --- AMX (bf16, Sapphire Rapids and later) -----------------------------------------------
  * A decode step of 5..32 rows is still a stream of the weights, but too many rows for the
  * vdpbf16ps loop above (it issues at half the rate of float32 FMAs on these CPUs) and too
- * few for oneDNN's GEMM, which read the weights at 11-17 GB/s at 9..32 rows in a decode step
- * on a machine that reads 25. On the tile unit C[m, n] = sum_k x[m, k] W[n, k] takes x's
- * rows as they lie (A: 16 rows x 32 bf16) and W in the unit's B layout, packed once at load
- * (`pack_amx`, T_BF16_AMX): for each 16 output rows and 32 inputs, a contiguous 1 KB tile of
- * 16 input pairs x 16 outputs x 2. Each thread streams blocks of 32 output rows (two B tiles
- * a step, contiguous: the hardware prefetcher keeps up; software prefetches 1-4 blocks ahead
- * were no faster), and each result row is stored straight into `out`. Tiles: C 0-3 (x rows
- * 0-15 / 16-31 by the block's two 16-output halves), A 4-5 (x rows 0-15, 16-31), B 6-7. */
+ * few for oneDNN's GEMM, which read a decode step's weights at 12-20 GB/s at 8 and 32 rows
+ * on a machine that reads 27 (benchmarks/cpu_kernels.py --gemv --rows 8/32; these tiles:
+ * 15-28). On the tile unit C[m, n] = sum_k x[m, k] W[n, k] takes x's rows as they lie (A:
+ * 16 rows x 32 bf16) and W in the unit's B layout, packed once at load (`pack_amx`,
+ * T_BF16_AMX): for each 16 output rows and 32 inputs, a contiguous 1 KB tile of 16 input
+ * pairs x 16 outputs x 2. Each thread streams blocks of 32 output rows (two B tiles a step,
+ * contiguous: the hardware prefetcher keeps up; software prefetches 1-4 blocks ahead were no
+ * faster), and each result row is stored straight into `out`; from one row on it is as fast
+ * as the row-major loops above. Tiles: C0, C1 = x rows 0-15 by the block's first and second
+ * 16 outputs, C2, C3 = x rows 16-31 by the same; A4, A5 = x rows 0-15, 16-31; B6, B7 = the
+ * two 16-output tiles of W. */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_MAX_ROWS 32

@@ -77,8 +77,8 @@ class OneDnnLinear(LinearMethod):
 class GemvWeight(NamedTuple):
     """A weight as GemvLinear holds it."""
     packed: Any                     # `inner`'s form of it (None: `inner` reads `plain`)
-    plain: torch.Tensor             # [out, in] row-major, the model dtype: the gemv kernel's
-    amx: bool = False               # plain is in the AMX tile layout (kernels/cpu_ops.pack_amx)
+    plain: torch.Tensor             # [out, in], the model dtype: the gemv kernel's, row-major
+    amx: bool = False               # ... or in the AMX tile layout (kernels/cpu_ops.pack_amx)
 
 
 class GemvLinear(LinearMethod):
