@@ -13,10 +13,18 @@ class Reference:
 
 
 def hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[Reference]:
-    """Greedy continuations by HF transformers, one prompt at a time (no padding effects)."""
+              dtype: torch.dtype = torch.float32, device: str = "cpu",
+              weights: torch.dtype | None = None) -> list[Reference]:
+    """Greedy continuations by HF transformers, one prompt at a time (no padding effects).
+    `weights`: every weight matrix (not norms or biases) rounded to that dtype's values first,
+    computing in `dtype` all the same."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    if weights is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.copy_(param.to(weights))
     model.generation_config.eos_token_id = None      # we compare with ignore_eos=True
     refs = []
     for prompt in prompts:

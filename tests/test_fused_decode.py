@@ -39,6 +39,17 @@ def test_default_model_fused_equals_unfused(default_model: str) -> None:
     assert fused == greedy(default_model, PROMPTS, dtype="float32", enforce_eager=True)
 
 
+def test_bf16_weights_under_float32_fused_equals_unfused(default_model: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """dtype="auto" on a CPU without bfloat16 arithmetic (flags faked): the fused step reads
+    the bfloat16 copy of each weight, as the unfused gemv products do (oneDNN's float32 one
+    above four rows holds the same values)."""
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    fused = greedy(default_model, PROMPTS)
+    assert fused == greedy(default_model, PROMPTS, enforce_eager=True)
+
+
 def test_draft_verification_steps_run_fused(default_model: str) -> None:
     """n-gram drafts: a request's token and its drafts (several rows) in one fused step give
     the unfused forward's tokens."""

@@ -16,8 +16,9 @@ BF16_CHECKPOINT = {"torch_dtype": "bfloat16"}
 def test_auto_on_cpu_is_bf16_only_where_native(monkeypatch: pytest.MonkeyPatch, native: bool,
                                                expected: torch.dtype) -> None:
     monkeypatch.setattr(hardware, "native_bf16", lambda: native)
-    dtype, why, slow = hardware.resolve_dtype("auto", CPU, BF16_CHECKPOINT)
+    dtype, why, slow, weights = hardware.resolve_dtype("auto", CPU, BF16_CHECKPOINT)
     assert dtype == expected and "checkpoint says bfloat16" in why and not slow
+    assert weights == (None if native else torch.bfloat16)      # bfloat16 weights either way
     # A float32 or float16 checkpoint changes nothing: never float16 on CPU by default.
     assert hardware.resolve_dtype("auto", CPU, {"torch_dtype": "float16"})[0] == expected
 
@@ -34,11 +35,11 @@ def test_explicit_dtype_wins_and_cuda_keeps_the_checkpoint(monkeypatch: pytest.M
 def test_explicit_float16_on_cpu_without_avx512_fp16_is_warned(monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f"}))
-    dtype, why, slow = hardware.resolve_dtype("float16", CPU, {})
-    assert dtype == torch.float16 and "AVX512-FP16" in why and slow
+    dtype, why, slow, weights = hardware.resolve_dtype("float16", CPU, {})
+    assert dtype == torch.float16 and "AVX512-FP16" in why and slow and weights is None
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_fp16"}))
     assert hardware.resolve_dtype("float16", CPU, {}) == (torch.float16, "float16 as asked",
-                                                          False)
+                                                          False, None)
 
 
 def test_the_worker_runs_the_resolved_dtype(default_model: str) -> None:
@@ -52,3 +53,31 @@ def test_the_worker_runs_the_resolved_dtype(default_model: str) -> None:
     assert worker.dtype == expected
     assert worker.model.model.embed_tokens.weight.dtype == expected
     assert worker.kv_cache.tensor.dtype == expected
+
+
+def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a CPU without AVX512-BF16 or AMX: float32 activations and KV cache, weight matrices
+    rounded to bfloat16's values; the gemv kernel (and so the fused decode step) reads a
+    bfloat16 copy and oneDNN a float32 one of the same values. dtype="float32" keeps the
+    weights as loaded, and int8 quantizes them as loaded."""
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    worker = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu"))
+    assert (worker.dtype, worker.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert worker.kv_cache.tensor.dtype == torch.float32
+    table = worker.model.model.embed_tokens.weight
+    assert table.dtype == torch.float32 and torch.equal(table, table.bfloat16().float())
+    qkv = worker.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.prepared.plain.dtype == torch.bfloat16 and qkv.prepared.packed is not None
+    assert worker.runner.fused is not None
+    assert "bfloat16 weights" in worker.ops.linear.name
+    x = torch.randn(2, qkv.prepared.plain.shape[1])
+    reference = x @ qkv.prepared.plain.float().T
+    torch.testing.assert_close(qkv(x), reference, rtol=1e-5, atol=1e-5)          # gemv
+    torch.testing.assert_close(qkv(x.repeat(8, 1)), reference.repeat(8, 1),       # oneDNN
+                               rtol=1e-5, atol=1e-5)
+    exact = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu",
+                                      dtype="float32"))
+    assert exact.weight_dtype == torch.float32
+    plain = exact.model.model.layers[0].self_attn.qkv_proj.prepared.plain
+    assert plain.dtype == torch.float32 and not torch.equal(plain, plain.bfloat16().float())

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from hf_reference import assert_greedy_match, hf_greedy
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, RequestOutput, SamplingParams
 
 MAX_TOKENS = 32
 # Logprobs of the same float32 math differ only by summation order: measured ~1e-4. (Runs
@@ -30,13 +32,16 @@ PROMPTS = [
 ]
 
 
-def _check_against_hf(model_path: str, prompts: list[str], **llm_kwargs: object) -> None:
-    with LLM(model_path, dtype="float32", kv_cache_memory_gb=0.3, **llm_kwargs) as llm:
+def _check_against_hf(model_path: str, prompts: list[str], weights: torch.dtype | None = None,
+                      **llm_kwargs: object) -> list[RequestOutput]:
+    """`weights`: HF's weight matrices rounded to that dtype (float32 arithmetic all the same)."""
+    llm_kwargs.setdefault("dtype", "float32")
+    with LLM(model_path, kv_cache_memory_gb=0.3, **llm_kwargs) as llm:   # type: ignore[arg-type]
         token_prompts = [llm.tokenizer.encode(p) for p in prompts]
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                 logprobs=5)
         outs = llm.generate(token_prompts, params, use_tqdm=False)
-    refs = hf_greedy(model_path, token_prompts, MAX_TOKENS)
+    refs = hf_greedy(model_path, token_prompts, MAX_TOKENS, weights=weights)
     num_exact = 0
     for out, ref in zip(outs, refs):
         assert out.logprobs is not None
@@ -48,6 +53,7 @@ def _check_against_hf(model_path: str, prompts: list[str], **llm_kwargs: object)
                                                 abs=LOGPROB_ATOL)
     # The tie rule is for rare near-ties, not a way out: most tokens must match exactly.
     assert num_exact >= 0.9 * len(prompts) * MAX_TOKENS, num_exact
+    return outs
 
 
 def test_default_model_matches_hf(default_model: str) -> None:
@@ -59,3 +65,18 @@ def test_default_model_matches_hf(default_model: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_hf(tiny_models: dict[str, str], arch: str) -> None:
     _check_against_hf(tiny_models[arch], PROMPTS)
+
+
+def test_auto_without_native_bf16_is_float32_on_bf16_weights(default_model: str,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """dtype="auto" as a CPU without AVX512-BF16 or AMX runs it (the flags kvflow decides by,
+    faked): float32 arithmetic on weights rounded to bfloat16, whose decode steps stream a
+    bfloat16 copy (workers/hardware.py). HF in float32 with its weight matrices rounded to
+    bfloat16 is the reference; HF's unrounded float32 is not, by more than the tolerance."""
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    outs = _check_against_hf(default_model, PROMPTS, weights=torch.bfloat16, dtype="auto")
+    exact = hf_greedy(default_model, [list(o.prompt_token_ids) for o in outs[:2]], 4)
+    gap = max(abs(lp - float(ref.logprobs[0][t]))
+              for out, ref in zip(outs, exact) for t, lp in out.logprobs[0].items())
+    assert gap > 5 * LOGPROB_ATOL, gap

@@ -5,6 +5,14 @@ here: ~420 GFLOP/s on a Zen 4 with AVX512-BF16, 47 on a Cascade Lake without, wh
 reaches 172); float16 without AVX512-FP16 falls back to scalar code. So on CPU `dtype="auto"`
 is bfloat16 where it is native and float32 elsewhere, whatever the checkpoint says; on CUDA it
 is the checkpoint's dtype. An explicit dtype always wins.
+
+Where "auto" gives float32 on CPU, the weights are still bfloat16 (`DtypeChoice.weights`): their
+values are rounded to bfloat16 once at load (most checkpoints are bfloat16 already, so nothing
+changes for them), every product is float32 arithmetic on those values, and the decode-shaped
+products stream a bfloat16 copy, widened in registers (layers/linear.py GemvLinear). A decode
+step is a read of the weights, so one user's token costs half the bytes of float32's, while
+prompts keep float32's fast GEMM: float32 is right for compute-bound batches and wrong for
+one user on such a CPU. `dtype="float32"` keeps the weights exactly as loaded.
 """
 from __future__ import annotations
 
@@ -61,6 +69,7 @@ class DtypeChoice(NamedTuple):
     dtype: torch.dtype
     reason: str                     # for the log
     slow: bool = False              # an explicit choice this CPU runs as scalar code
+    weights: torch.dtype | None = None   # the weights' values and stream, if not `dtype`'s
 
 
 def resolve_dtype(requested: str, device: torch.device, hf_config: dict) -> DtypeChoice:
@@ -82,6 +91,7 @@ def resolve_dtype(requested: str, device: torch.device, hf_config: dict) -> Dtyp
     if native_bf16():
         return DtypeChoice(torch.bfloat16, "auto: bfloat16, native on this CPU (AVX512-BF16 or "
                                            f"AMX); the checkpoint says {checkpoint}")
-    return DtypeChoice(torch.float32, "auto: float32, as this CPU has neither AVX512-BF16 nor "
-                                      "AMX (bfloat16 would be emulated); the checkpoint says "
-                                      f"{checkpoint}")
+    return DtypeChoice(torch.float32, "auto: float32 arithmetic on bfloat16 weights, as this CPU "
+                                      "has neither AVX512-BF16 nor AMX (bfloat16 arithmetic "
+                                      "would be emulated); the checkpoint says "
+                                      f"{checkpoint}", weights=torch.bfloat16)

@@ -54,3 +54,15 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             param.fill_(1.0)
         else:
             param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+
+@torch.no_grad()
+def round_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every weight matrix (linears, embeddings; not norms or biases) to `dtype`'s values
+    in place, keeping the parameters' own dtype: dtype="auto" on a CPU without bfloat16
+    arithmetic computes in float32 on bfloat16 weights (hardware.DtypeChoice.weights), so
+    that every path, oneDNN's float32 GEMM and the bfloat16 stream of the gemv kernel alike,
+    multiplies by the same values."""
+    for param in model.parameters():
+        if param.dim() >= 2 and param.dtype != dtype and param.is_floating_point():
+            param.copy_(param.to(dtype))

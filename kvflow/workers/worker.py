@@ -27,7 +27,7 @@ from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_AMX, Ops, choose_ops
 from kvflow.workers.layers.parallel import TPGroup
-from kvflow.workers.loader import init_dummy, load_safetensors
+from kvflow.workers.loader import init_dummy, load_safetensors, round_weights
 from kvflow.workers.model_runner import ModelRunner
 from kvflow.workers.models.llama import MODELS, LlamaForCausalLM
 from kvflow.workers.sampler import Sampler
@@ -59,7 +59,7 @@ class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.tp = tp or TPGroup()
-        self.device, self.dtype = self._place()
+        self.device, self.dtype, self.weight_dtype = self._place()
         self.kv_cache, self.ops = self._choose_implementations()
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
         self.drafter = self._build_drafter()
@@ -75,7 +75,8 @@ class Worker:
     def backend(self) -> AttentionBackend:
         return self.kv_cache.backend
 
-    def _place(self) -> tuple[torch.device, torch.dtype]:
+    def _place(self) -> tuple[torch.device, torch.dtype, torch.dtype]:
+        """The device, the compute dtype and the weights' dtype (hardware.DtypeChoice)."""
         torch.set_num_threads(self.config.num_threads)
         device = resolve_device(self.config.device,
                                 self.config.parallel.local_rank(self.tp.rank))
@@ -83,7 +84,10 @@ class Worker:
         if self.tp.rank == 0:
             log = logger.warning if choice.slow else logger.info
             log("dtype %s (%s)", DTYPE_NAMES[choice.dtype], choice.reason)
-        return device, choice.dtype
+        weights = choice.weights or choice.dtype
+        if self.config.quantization is not None:       # int8 weights, quantized from these
+            weights = choice.dtype
+        return device, choice.dtype, weights
 
     def _choose_implementations(self) -> tuple[KVCache, Ops]:
         cfg, block_size = self.config, self.config.cache.block_size
@@ -93,7 +97,8 @@ class Worker:
                                                                        self.tp)
         backend = make_backend(name, block_size, num_kv_heads, head_dim, self.dtype,
                                self.device)
-        ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager, cfg.quantization)
+        ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager, cfg.quantization,
+                         self.weight_dtype)
         return KVCache(backend, num_layers), ops
 
     def _build_model(self, model_cfg: ModelConfig, tp: TPGroup, kv_cache: KVCache
@@ -111,6 +116,7 @@ class Worker:
             init_dummy(model, self.config.seed + tp.rank)
         else:
             load_safetensors(model, model_cfg.path)
+        round_weights(model, self.weight_dtype)
         if self.config.quantization == "int8":      # SmoothQuant before quantizing
             pairs = model.smoothing_pairs()
             ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)

@@ -90,19 +90,26 @@ class GemvLinear(LinearMethod):
     With `pack_amx` (bfloat16 on CPUs with AMX, kernels/cpu_ops.py), each weight it can take
     is held in the tile unit's layout instead, and products of up to `amx_rows` rows go to
     the kernel's AMX path: at 5..32 rows a decode step's linears streamed their weights
-    faster there than in oneDNN's GEMM (benchmarks/cpu_kernels.py --gemv)."""
+    faster there than in oneDNN's GEMM (benchmarks/cpu_kernels.py --gemv).
+
+    With `stream_dtype` bfloat16 under float32 weights (whose values are bfloat16 already:
+    loader.round_weights), the kernel's copy is bfloat16, widened in registers: the same
+    values at half the bytes a decode step reads; `inner` keeps its float32 copy."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
                  pack_amx: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 amx_rows: int = 0) -> None:
+                 amx_rows: int = 0, stream_dtype: torch.dtype | None = None) -> None:
         self.gemv = gemv
         self.inner = inner
         self.max_rows = max_rows
         self.pack_amx = pack_amx if amx_rows else None
         self.amx_rows = amx_rows if pack_amx is not None else 0
+        self.stream_dtype = stream_dtype
+        streams = ("" if stream_dtype is None
+                   else f", {str(stream_dtype).removeprefix('torch.')} weights")
         self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
-                     if self.amx_rows else f"gemv (<= {max_rows} rows) + {inner.name}")
+                     if self.amx_rows else f"gemv (<= {max_rows} rows{streams}) + {inner.name}")
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
                 ) -> GemvWeight:
@@ -113,6 +120,9 @@ class GemvLinear(LinearMethod):
                  else None)
         if tiles is not None:
             return GemvWeight(packed, tiles, amx=True)
+        stream = self.stream_dtype
+        if packed is not None and stream is not None and stream != weight.dtype:
+            return GemvWeight(packed, weight.to(stream).contiguous())
         return GemvWeight(packed, weight.contiguous())
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,

@@ -68,10 +68,13 @@ def compiled_ops() -> Ops:
 
 
 def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
-               enforce_eager: bool, quantization: str | None = None) -> Ops:
+               enforce_eager: bool, quantization: str | None = None,
+               weight_dtype: torch.dtype | None = None) -> Ops:
     """compiled on CUDA unless enforce_eager; C kernels on CPU with the `cpu` attention
     backend (its library is the one that built); else plain torch. On CPU the linear
-    weights are packed for oneDNN where this torch can, or quantized with "int8"."""
+    weights are packed for oneDNN where this torch can, or quantized with "int8"; the gemv
+    kernel streams them in `weight_dtype` where it is not `dtype` (bfloat16 weights under
+    float32 arithmetic: hardware.DtypeChoice.weights)."""
     if device.type == "cuda":
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} runs on CPU only, but the "
@@ -92,7 +95,9 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
         if c_kernels:
             amx_rows = cpu_ops.gemv_amx_rows() if dtype == torch.bfloat16 else 0
-            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS, cpu_ops.pack_amx, amx_rows)
+            stream = weight_dtype if weight_dtype not in (None, dtype) else None
+            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS, cpu_ops.pack_amx, amx_rows,
+                                stream)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
