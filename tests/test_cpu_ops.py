@@ -344,13 +344,14 @@ GEMV_SHAPES = [(1, 576, 576), (7, 13, 33), (4, 960, 576), (16, 577, 1536), (3, 5
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("w_dtype", ["same", torch.int8])
+@pytest.mark.parametrize("w_dtype", ["same", torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("m,n,k", GEMV_SHAPES)
 def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object, m: int,
                             n: int, k: int) -> None:
     """x W^T + bias against float64 torch on the same operands: one row and seven, rows of
-    W not a multiple of the tile, K not a multiple of the vector width, a strided x; int8
-    weights with their row scales and SmoothQuant's input scale."""
+    W not a multiple of the tile, K not a multiple of the vector width, a strided x; bfloat16
+    weights under float32 x (dtype="auto" without bfloat16 arithmetic); int8 weights with
+    their row scales and SmoothQuant's input scale."""
     x = torch.randn(m, 2 * k)[:, ::2].to(x_dtype)             # strided rows of x
     bias = torch.randn(n)
     if w_dtype == torch.int8:
@@ -359,7 +360,8 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
         weight = w.double() * scales.double()[:, None]
         xd = x.double() * in_scale.double()
     else:
-        w, scales, in_scale = torch.randn(n, k).to(x_dtype), None, None
+        w_type = x_dtype if w_dtype == "same" else w_dtype
+        w, scales, in_scale = torch.randn(n, k).to(w_type), None, None   # type: ignore[arg-type]
         weight, xd = w.double(), x.double()
     got = cpu_ops.gemv(x, w, scales, bias, in_scale=in_scale)
     ref = xd @ weight.T + bias.double()
