@@ -31,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache dtype (auto: on CPU bfloat16 where the CPU has "
-                             "AVX512-BF16 or AMX, else float32; on CUDA the checkpoint's)")
+                             "AVX512-BF16 or AMX, else float32 arithmetic and KV cache on "
+                             "weights rounded to bfloat16; on CUDA the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="max prompt + output tokens per request (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256,

@@ -325,6 +325,9 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 
 
 def weight_kind(engine: str, auto_kind: str) -> str:
+    """What a decode step reads per weight."""
+    if engine == "kvflow-auto":         # bfloat16 weights, whatever the arithmetic (hardware.py)
+        return "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
     if engine.startswith("llamacpp"):
@@ -407,7 +410,7 @@ def main() -> None:
                 kind = weight_kind(name, auto_kind)
                 # K/V: llama.cpp's cache is float16; the others' is their compute dtype.
                 kv_bytes = 2.0 if name.startswith("llamacpp") or kind != "float32" else 4.0
-                if name == "kvflow-int8":
+                if name in ("kvflow-int8", "kvflow-auto"):      # KV in the arithmetic's dtype
                     kv_bytes = WEIGHT_BYTES[auto_kind]
                 row["roofline_share"] = roofline_seconds(
                     hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],

@@ -181,8 +181,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     `None` and "auto" are decided by make_engine_config (or, for what needs the device, by the
     worker)."""
     tensor_parallel_size: int = 1
-    dtype: str = "auto"                   # auto: CPU: bfloat16 where native, else float32;
-    #                                       CUDA: the checkpoint's (workers/hardware.py)
+    dtype: str = "auto"                   # auto: CPU: bfloat16 where native, else float32
+    #                                       on bfloat16 weights; CUDA: the checkpoint's
+    #                                       (workers/hardware.py)
     seed: int = 0                         # of unseeded sampling
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
