@@ -45,6 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size in GiB (default: on CPU 10%% of available RAM, "
                              "<= 2; on CUDA what --gpu-memory-utilization leaves)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="KV cache dtype (auto: bfloat16 on CPU wherever the weights are, "
+                             "including --dtype auto on CPUs without AVX512-BF16/AMX, where "
+                             "the arithmetic is float32; else --dtype's. bfloat16: also "
+                             "under --dtype float32 on CPU, half the cache's bytes)")
     parser.add_argument("--load-format", default="safetensors",
                         choices=["safetensors", "dummy"],
                         help="dummy: random weights of the right shapes (benchmarks)")

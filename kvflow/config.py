@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -36,6 +37,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (auto_kv_cache_gb), on CUDA what gpu_memory_utilization leaves after a profiling run.
     kv_cache_memory_gb: float | None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"    # "bfloat16": also under float32 arithmetic (CPU)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,6 +193,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
+    kv_cache_dtype: str = "auto"          # or "bfloat16" (workers/worker.py _kv_dtype)
     load_format: str = "safetensors"      # or "dummy": random weights (benchmarks)
     attention_backend: str = "auto"
     num_threads: int | None = None        # None: the CPUs / tensor_parallel_size
@@ -243,6 +246,9 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError(f"block_size={o.block_size} must be a power of two")
     if o.kv_cache_memory_gb is not None and o.kv_cache_memory_gb <= 0:
         raise ValueError(f"kv_cache_memory_gb={o.kv_cache_memory_gb} must be > 0")
+    if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={o.kv_cache_dtype!r} must be one of "
+                         f"{KV_CACHE_DTYPES} (no fp8 KV cache yet)")
     _check_execution(o.attention_backend, o.device, o.block_size, o.gpu_memory_utilization)
     if o.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")
@@ -267,7 +273,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     speculative = _speculative_config(o, model)
     cache = CacheConfig(
         block_size=o.block_size, enable_prefix_caching=o.enable_prefix_caching,
-        kv_cache_memory_gb=o.kv_cache_memory_gb,
+        kv_cache_memory_gb=o.kv_cache_memory_gb, kv_cache_dtype=o.kv_cache_dtype,
         gpu_memory_utilization=float(o.gpu_memory_utilization))
     threads = o.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
     return EngineConfig(

@@ -14,10 +14,29 @@ class Reference:
 
 def hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int,
               dtype: torch.dtype = torch.float32, device: str = "cpu",
-              weights: torch.dtype | None = None) -> list[Reference]:
+              weights: torch.dtype | None = None,
+              kv: torch.dtype | None = None) -> list[Reference]:
     """Greedy continuations by HF transformers, one prompt at a time (no padding effects).
     `weights`: every weight matrix (not norms or biases) rounded to that dtype's values first,
-    computing in `dtype` all the same."""
+    computing in `dtype` all the same; `kv`: every key and value rounded to that dtype's
+    values as it enters the cache (the cache update returns what attention reads, the new
+    token's own key included)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicLayer
+    update = DynamicLayer.update
+    if kv is not None:
+        def rounded(self, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return update(self, key.to(kv).to(key.dtype), value.to(kv).to(value.dtype),
+                          *args, **kwargs)
+        DynamicLayer.update = rounded                     # type: ignore[method-assign]
+    try:
+        return _hf_greedy(model_path, prompts, max_tokens, dtype, device, weights)
+    finally:
+        DynamicLayer.update = update                      # type: ignore[method-assign]
+
+
+def _hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype,
+               device: str, weights: torch.dtype | None) -> list[Reference]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     if weights is not None:

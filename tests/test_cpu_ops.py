@@ -25,6 +25,10 @@ CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: summation order only. bfloat16: one rounding of the output (2^-8 relative).
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+# Attention's (queries and output, KV cache) dtypes: the model's dtype for both, or float32
+# arithmetic over a bfloat16 cache (kv_cache_dtype). The reference reads the same cache values.
+KV_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+            (torch.float32, torch.bfloat16)]
 
 
 @pytest.fixture(autouse=True)
@@ -55,11 +59,11 @@ def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_bloc
 HEAD_SHAPES = [(9, 3, 64), (4, 4, 128), (10, 2, 96), (8, 2, 48), (6, 1, 16)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, num_heads: int,
-                                        num_kv_heads: int, head_dim: int,
+def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+                                        num_heads: int, num_kv_heads: int, head_dim: int,
                                         block_size: int) -> None:
     context_lens = [1, block_size, 2 * block_size, 37, 130, 3 * block_size + 1]
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 7
@@ -68,8 +72,8 @@ def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, num_he
     slots = np.zeros(len(spans), dtype=np.int64)     # the store is not under test here
     fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
     ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
     q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
     scale = head_dim ** -0.5
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, spans, []), scale)
@@ -78,8 +82,9 @@ def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, num_he
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
+def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype,
+                                           kv_dtype: torch.dtype) -> None:
     """Decodes by the kernel and prefills (one with a cached prefix) by the torch path, in one
     batch with the prefill rows first: every row lands where the torch backend puts it."""
     bs, kv_heads, heads, d = 16, 3, 9, 64
@@ -88,8 +93,8 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype) -> 
     slots = np.zeros(65, dtype=np.int64)
     fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
     ref = TorchBackend(bs, kv_heads, d, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(90)).to(dtype)
-    v_cache = torch.randn(fast.cache_shape(90)).to(dtype)
+    k_cache = torch.randn(fast.cache_shape(90)).to(kv_dtype)
+    v_cache = torch.randn(fast.cache_shape(90)).to(kv_dtype)
     q = torch.randn(65, heads, d).to(dtype)
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, decodes, prefills), 0.125)
     expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
@@ -97,18 +102,18 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype) -> 
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
-                                            block_size: int) -> None:
+                                            kv_dtype: torch.dtype, block_size: int) -> None:
     """Prefills alone, as the kernel runs them (each new token a causal row): a whole
     300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk."""
     spans = _spans([300, 170, 9], [300, 50, 1], block_size, 120)
     slots = np.zeros(351, dtype=np.int64)
     fast = CpuBackend(block_size, 2, 64, dtype, CPU)
     ref = TorchBackend(block_size, 2, 64, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(120)).to(dtype)
-    v_cache = torch.randn(fast.cache_shape(120)).to(dtype)
+    k_cache = torch.randn(fast.cache_shape(120)).to(kv_dtype)
+    v_cache = torch.randn(fast.cache_shape(120)).to(kv_dtype)
     q = torch.randn(351, 8, 64).to(dtype)
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, [], spans), 0.125)
     expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
@@ -116,10 +121,11 @@ def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype, num_heads: int,
+def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype,
+                                           kv_dtype: torch.dtype, num_heads: int,
                                            num_kv_heads: int, head_dim: int,
                                            block_size: int) -> None:
     """Prefill runs around the tiled path's edges, with decodes between them: 15 rows (by
@@ -136,8 +142,8 @@ def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype, num
     slots = np.zeros(num_rows, dtype=np.int64)
     fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
     ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
     q = torch.randn(num_rows, num_heads, head_dim).to(dtype) * 3    # peaked softmax rows
     meta = fast.build_metadata(slots, decodes, prefills)
     out = fast.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
@@ -256,19 +262,21 @@ def test_rotary_matches_torch(kernels: str, dtype: torch.dtype, head_dim: int) -
     torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 700])
-def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, num_tokens: int) -> None:
-    """K and V as the model hands them over: strided views of the fused qkv output."""
+def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+                                num_tokens: int) -> None:
+    """K and V as the model hands them over: strided views of the fused qkv output; float32
+    rows into a bfloat16 cache rounded as torch rounds them."""
     heads, kv_heads, d, num_slots = 9, 3, 64, 1024
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d).to(dtype)
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(num_tokens, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d:].view(num_tokens, kv_heads, d)
     slots = torch.randperm(num_slots)[:num_tokens]              # scattered, out of order
-    got = [torch.randn(kv_heads, num_slots, d).to(dtype) for _ in range(2)]
+    got = [torch.randn(kv_heads, num_slots, d).to(kv_dtype) for _ in range(2)]
     want = [c.clone() for c in got]
     cpu_ops.store_kv(k, v, got[0], got[1], slots)
-    torch_store_kv(k, v, want[0], want[1], slots)
+    torch_store_kv(k.to(kv_dtype), v.to(kv_dtype), want[0], want[1], slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

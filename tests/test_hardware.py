@@ -57,14 +57,14 @@ def test_the_worker_runs_the_resolved_dtype(default_model: str) -> None:
 
 def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """As a CPU without AVX512-BF16 or AMX: float32 activations and KV cache, weight matrices
-    rounded to bfloat16's values; the gemv kernel (and so the fused decode step) reads a
-    bfloat16 copy and oneDNN a float32 one of the same values. dtype="float32" keeps the
-    weights as loaded, and int8 quantizes them as loaded."""
+    """As a CPU without AVX512-BF16 or AMX: float32 activations, weight matrices rounded to
+    bfloat16's values and a bfloat16 KV cache; the gemv kernel (and so the fused decode step)
+    reads a bfloat16 copy of the weights and oneDNN a float32 one of the same values.
+    dtype="float32" keeps the weights as loaded and a float32 KV cache."""
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     worker = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu"))
     assert (worker.dtype, worker.weight_dtype) == (torch.float32, torch.bfloat16)
-    assert worker.kv_cache.tensor.dtype == torch.float32
+    assert worker.kv_cache.tensor.dtype == worker.backend.kv_dtype == torch.bfloat16
     table = worker.model.model.embed_tokens.weight
     assert table.dtype == torch.float32 and torch.equal(table, table.bfloat16().float())
     qkv = worker.model.model.layers[0].self_attn.qkv_proj
@@ -78,6 +78,26 @@ def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
                                rtol=1e-5, atol=1e-5)
     exact = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu",
                                       dtype="float32"))
-    assert exact.weight_dtype == torch.float32
+    assert exact.weight_dtype == exact.kv_cache.tensor.dtype == torch.float32
     plain = exact.model.model.layers[0].self_attn.qkv_proj.prepared.plain
     assert plain.dtype == torch.float32 and not torch.equal(plain, plain.bfloat16().float())
+    # Half the bytes a block: twice the blocks in the same memory (to the block).
+    assert 2 * worker.kv_cache.bytes_per_block == exact.kv_cache.bytes_per_block
+    assert worker.num_blocks // 2 == exact.num_blocks
+
+
+def test_kv_cache_dtype_option(default_model: str) -> None:
+    """kv_cache_dtype="bfloat16" under float32 on the cpu backend; refused, naming why, where
+    no kernel reads such a cache (the torch backend) and for dtypes kvflow has none of."""
+    config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
+                                             device="cpu", dtype="float32", **kw)
+    worker = Worker(config(kv_cache_dtype="bfloat16"))
+    assert (worker.dtype, worker.kv_cache.tensor.dtype) == (torch.float32, torch.bfloat16)
+    assert worker.kv_cache.bytes_per_block == 2 * 30 * 16 * 3 * 64 * 2
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' under dtype float32 needs"):
+        Worker(config(kv_cache_dtype="bfloat16", attention_backend="torch"))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' must be one of"):
+        config(kv_cache_dtype="fp8")
+    # auto on the torch backend stays in the arithmetic's dtype (no kernel for the mix).
+    fallback = Worker(config(attention_backend="torch"))
+    assert fallback.kv_cache.tensor.dtype == torch.float32

@@ -30,6 +30,17 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
              char *cache);
+int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_stride,
+                         const int64_t *slots, int64_t num_tokens, int64_t heads,
+                         int64_t head_dim, int64_t num_slots, uint16_t *cache);
+int paged_attention_f32_kv_bf16(const float *q, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *block_tables,
+                                int64_t num_tables, const int32_t *table_rows,
+                                const int32_t *context_lens, const int64_t *q_rows,
+                                int64_t num_q_rows, int64_t num_entries, int64_t max_blocks,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t num_slots, float scale,
+                                float *out);
 #define DECLARE_OPS(T, S)                                                                     \
 void rms_norm_##S(const T *x, int64_t stride, const T *w, int64_t rows, int64_t n, float eps, \
                   T *out);                                                                    \
@@ -69,6 +80,7 @@ typedef struct {
 typedef struct {
     int32_t dtype;                        /* D_F32 or D_BF16 */
     int32_t first;                        /* 1: h is the embedding, no residual yet */
+    int32_t kv_dtype;                     /* the KV cache's: dtype's, or D_BF16 under D_F32 */
     int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, inter;
     int64_t num_slots, block_size;
     float eps, scale;
@@ -152,15 +164,28 @@ int decode_attention(const DecodeLayer *L, DecodeStep *s) {
     DISPATCH(s, rotary, q_src, q_stride, s->positions, s->cos, s->sin, T, nh, d, s->q);
     DISPATCH(s, rotary, k_src, k_stride, s->positions, s->cos, s->sin, T, nkv, d, s->k);
     const char *v_src = at(s->qkv, (nh + nkv) * d, s->dtype);
-    if (store_kv((const char *)s->k, nkv * d * e, d * e, s->slots, T, nkv, d * e, s->num_slots,
-                 L->k_cache)
-        || store_kv(v_src, width * e, d * e, s->slots, T, nkv, d * e, s->num_slots,
-                    L->v_cache))
-        return 3;
-    const int status = DISPATCH(s, paged_attention, s->q, L->k_cache, L->v_cache,
-                                s->block_tables, s->num_tables, s->table_rows, s->context_lens,
-                                s->q_rows, T, T, s->max_blocks, nh, nkv, d, s->block_size,
-                                s->num_slots, s->scale, s->attn);
+    int status;
+    if (s->kv_dtype != s->dtype) {                /* float32 rows, a bfloat16 cache */
+        if (store_kv_f32_to_bf16((const char *)s->k, nkv * d * e, d * e, s->slots, T, nkv, d,
+                                 s->num_slots, L->k_cache)
+            || store_kv_f32_to_bf16(v_src, width * e, d * e, s->slots, T, nkv, d, s->num_slots,
+                                    L->v_cache))
+            return 3;
+        status = paged_attention_f32_kv_bf16(s->q, L->k_cache, L->v_cache, s->block_tables,
+                                             s->num_tables, s->table_rows, s->context_lens,
+                                             s->q_rows, T, T, s->max_blocks, nh, nkv, d,
+                                             s->block_size, s->num_slots, s->scale, s->attn);
+    } else {
+        if (store_kv((const char *)s->k, nkv * d * e, d * e, s->slots, T, nkv, d * e,
+                     s->num_slots, L->k_cache)
+            || store_kv(v_src, width * e, d * e, s->slots, T, nkv, d * e, s->num_slots,
+                        L->v_cache))
+            return 3;
+        status = DISPATCH(s, paged_attention, s->q, L->k_cache, L->v_cache, s->block_tables,
+                          s->num_tables, s->table_rows, s->context_lens, s->q_rows, T, T,
+                          s->max_blocks, nh, nkv, d, s->block_size, s->num_slots, s->scale,
+                          s->attn);
+    }
     if (status) return 10 + status;
     return linear(s, &L->o, s->attn, s->h) ? 2 : 0;
 }

@@ -377,8 +377,8 @@ static inline int64_t tile_scratch(int64_t group, int64_t D) {
 /* Rows first .. first + rows - 1 of one request (contexts ctx0 .. ctx0 + rows - 1) for one KV
  * head: q/out point at the first row's first head of the group; rows are row_stride apart.
  * Query vector r is row r / group, head r % group. */
-#define DEFINE_TILE_TASK(NAME, T, LOAD, STORE)                                                \
-static void NAME(const T *q, T *out, int64_t row_stride, const T *k_head, const T *v_head,   \
+#define DEFINE_TILE_TASK(NAME, T, LOAD, STORE, TK, LOADK)                                     \
+static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const TK *v_head, \
                  const int32_t *table, int64_t ctx0, int64_t rows, int64_t bs,               \
                  int64_t group, int64_t D, float scale, float *scratch) {                     \
     const int64_t nr = rows * group;                                                          \
@@ -399,12 +399,12 @@ static void NAME(const T *q, T *out, int64_t row_stride, const T *k_head, const 
             if (j < nk) {                                                                     \
                 const int64_t t = k0 + j;                                                     \
                 const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;                    \
-                const T *kr = k_head + slot * D, *vr = v_head + slot * D;                    \
-                prefetch_key(k_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(T));    \
-                prefetch_key(v_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(T));    \
-                for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOAD(kr[d]);             \
+                const TK *kr = k_head + slot * D, *vr = v_head + slot * D;                   \
+                prefetch_key(k_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(TK));   \
+                prefetch_key(v_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(TK));   \
+                for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOADK(kr[d]);            \
                 _Pragma("omp simd")                                                           \
-                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOAD(vr[d]);                  \
+                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]);                 \
             } else {                                                                          \
                 for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = vt[j * D + d] = 0.0f;   \
             }                                                                                 \
@@ -475,8 +475,9 @@ static void NAME(const T *q, T *out, int64_t row_stride, const T *k_head, const 
     }                                                                                         \
 }
 
-DEFINE_TILE_TASK(tile_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32)
+DEFINE_TILE_TASK(tile_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
+DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32, float, f32_to_f32)
+DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t, bf16_to_f32)
 
 /* The kernel's work items: (first entry, number of rows). A run of at least TILE_MIN_ROWS
  * entries that are one request's consecutive rows (one table row, consecutive q rows,
@@ -532,9 +533,8 @@ static int metadata_valid(const int32_t *block_tables, int64_t num_tables,
  * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
  * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
  * which is causal attention. */
-#define DEFINE_KERNEL(NAME, TASK, TILE, T, LOAD, STORE, FAST)                                \
-DEFINE_TASK(TASK, T, LOAD)                                                                    \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,         \
+#define DEFINE_KERNEL(NAME, TASK, TILE, T, LOAD, STORE, TK, FAST)                            \
+int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_tables,       \
          int64_t num_tables, const int32_t *table_rows, const int32_t *context_lens,         \
          const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries, int64_t max_blocks, \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,      \
@@ -555,7 +555,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         const int64_t item = num_items - 1 - task / num_kv_heads, kvh = task % num_kv_heads; \
         const int64_t seq = items[2 * item], rows = items[2 * item + 1];                     \
         const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
-        const T *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
+        const TK *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + (int64_t)table_rows[seq] * max_blocks;          \
         if (rows > 1) {                                                                       \
             float *scratch = aligned_alloc(64, sizeof(float) * (size_t)tile_scratch(group, D)); \
@@ -582,7 +582,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         prefetch_runs(k_head, v_head, table, ctx, block_size,                                 \
-                      block_size * D * (int64_t)sizeof(T));                                   \
+                      block_size * D * (int64_t)sizeof(TK));                                  \
         if (FAST(q_seq, k_head, v_head, table, ctx, block_size, group, D, scale, qf, o_seq)) { \
             free(qf);                                                                         \
             continue;                                                                         \
@@ -612,10 +612,18 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 #define AVX512_BF16_PATH NO_FAST_PATH
 #endif
 
+/* Row tasks by the cache's type (they take float32 queries). */
+DEFINE_TASK(row_task_bf16, uint16_t, bf16_to_f32)
+DEFINE_TASK(row_task_f32, float, f32_to_f32)
+
 DEFINE_KERNEL(paged_attention_bf16, row_task_bf16, tile_task_bf16, uint16_t, bf16_to_f32,
-              f32_to_bf16, AVX512_BF16_PATH)
+              f32_to_bf16, uint16_t, AVX512_BF16_PATH)
 DEFINE_KERNEL(paged_attention_f32, row_task_f32, tile_task_f32, float, f32_to_f32, f32_to_f32,
-              NO_FAST_PATH)
+              float, NO_FAST_PATH)
+/* float32 queries and output, bfloat16 cache (float32 arithmetic with a bfloat16 KV cache:
+ * half the bytes a decode reads per key; kv_cache_dtype, workers/hardware.py). */
+DEFINE_KERNEL(paged_attention_f32_kv_bf16, row_task_bf16, tile_task_f32_kv_bf16, float,
+              f32_to_f32, f32_to_f32, uint16_t, NO_FAST_PATH)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions
@@ -804,6 +812,24 @@ DEFINE_ARGMAX(argmax_f32, float, uint32_t, key_f32)
 /* KV store: row t of `src` (heads rows of `row_bytes`, `head_stride` bytes apart, tokens
  * `token_stride` bytes apart) goes to slot slots[t] of a head-major cache
  * [heads, num_slots, row]. One memcpy a row, no dtype involved. */
+/* store_kv for float32 rows into a bfloat16 cache, rounded to nearest even as torch rounds;
+ * strides in bytes, as store_kv's. */
+int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_stride,
+                         const int64_t *slots, int64_t num_tokens, int64_t heads,
+                         int64_t head_dim, int64_t num_slots, uint16_t *cache) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    PARALLEL_IF(num_tokens * heads * head_dim)
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *row = (const float *)(src + t * token_stride + h * head_stride);
+            uint16_t *dst = cache + (h * num_slots + slots[t]) * head_dim;
+            _Pragma("omp simd")
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(row[d]);
+        }
+    return 0;
+}
+
 int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
              char *cache) {

@@ -152,8 +152,12 @@ def _load(path: Path) -> ctypes.CDLL:
         for suffix in DTYPES.values():
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
+    attention = lib.paged_attention_f32_kv_bf16
+    attention.restype, attention.argtypes = signatures["paged_attention"]
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
     lib.store_kv.restype, lib.store_kv.argtypes = ctypes.c_int, store_argtypes
+    lib.store_kv_f32_to_bf16.restype = ctypes.c_int
+    lib.store_kv_f32_to_bf16.argtypes = store_argtypes
     i32 = ctypes.c_int
     gemv_argtypes: list[Any] = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, ptr, i64, i64, ptr, i32,
                                 i64]
@@ -218,21 +222,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """torch_attention.store_kv: key/value [num_tokens, num_kv_heads, head_dim] (strided
-    tokens and heads are fine) into the head-major caches at `slot_mapping` (int64)."""
+    tokens and heads are fine) into the head-major caches at `slot_mapping` (int64); float32
+    rows into a bfloat16 cache are rounded as torch rounds."""
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     lib = library()
     assert lib is not None, build_error()
     for src, cache in ((key, k_cache), (value, v_cache)):
-        assert src.dtype == cache.dtype and src.shape[0] == slot_mapping.shape[0]
+        assert src.shape[0] == slot_mapping.shape[0]
+        assert src.dtype == cache.dtype or (src.dtype, cache.dtype) == KV_BF16
         if src.stride(2) != 1:
             src = src.contiguous()
         size = src.element_size()
         heads, num_slots, head_dim = cache.shape
         assert src.shape[1:] == (heads, head_dim)
-        if lib.store_kv(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
-                        slot_mapping.data_ptr(), src.shape[0], heads, head_dim * size,
-                        num_slots, cache.data_ptr()):
+        store, row = ((lib.store_kv_f32_to_bf16, head_dim) if src.dtype != cache.dtype
+                      else (lib.store_kv, head_dim * size))
+        if store(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
+                 slot_mapping.data_ptr(), src.shape[0], heads, row, num_slots,
+                 cache.data_ptr()):
             raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} "
                              f"slots: {slot_mapping.tolist()}")
 
@@ -247,6 +255,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 GEMV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# (activations, KV cache) dtypes that differ and that the kernels take: float32 arithmetic
+# with a bfloat16 KV cache.
+KV_BF16 = (torch.float32, torch.bfloat16)
 
 
 GEMV_AMX = 3           # cpu_gemv.c's T_BF16_AMX: bfloat16 in the tile unit's layout (pack_amx)
@@ -375,7 +386,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     tensors = (q, k_cache, v_cache, block_tables, table_rows, context_lens, q_rows, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
-    assert q.dtype in DTYPES and k_cache.dtype == v_cache.dtype == out.dtype == q.dtype
+    assert q.dtype in DTYPES and out.dtype == q.dtype and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == q.dtype or (q.dtype, k_cache.dtype) == KV_BF16
     assert block_tables.dtype == table_rows.dtype == context_lens.dtype == torch.int32
     assert q_rows.dtype == torch.int64 and out.shape == q.shape
     max_blocks = block_tables.shape[1]
@@ -383,7 +395,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads = q.shape[1]
     num_entries = q_rows.shape[0]
     assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
-    status = _fn("paged_attention", q.dtype)(
+    kernel = (_fn("paged_attention", q.dtype) if k_cache.dtype == q.dtype
+              else library().paged_attention_f32_kv_bf16)
+    status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[0], table_rows.data_ptr(), context_lens.data_ptr(),
         q_rows.data_ptr(), q.shape[0], num_entries, max_blocks, num_heads, num_kv_heads,

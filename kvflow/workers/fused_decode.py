@@ -43,7 +43,7 @@ _BUFFERS = ("h", "residual", "x", "qkv", "qn", "kn", "q", "k", "attn", "gate_up"
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("dtype", _i32), ("first", _i32),
+    _fields_ = [("dtype", _i32), ("first", _i32), ("kv_dtype", _i32),
                 *[(name, _i64) for name in ("num_tokens", "hidden", "num_heads",
                                             "num_kv_heads", "head_dim", "inter", "num_slots",
                                             "block_size")],
@@ -179,7 +179,8 @@ class FusedDecode:
                                           for name, width in widths.items()}
         buffers["h"].copy_(h)
         k_cache = self.kv_cache.layers[0][0]
-        step = _Step(dtype=cpu_ops.GEMV_TYPES[self.dtype], first=1, num_tokens=t,
+        step = _Step(dtype=cpu_ops.GEMV_TYPES[self.dtype], first=1,
+                     kv_dtype=cpu_ops.GEMV_TYPES[k_cache.dtype], num_tokens=t,
                      hidden=s["hidden"], num_heads=nh, num_kv_heads=nkv, head_dim=d,
                      inter=s["inter"], num_slots=k_cache.shape[1],
                      block_size=self.kv_cache.backend.block_size, eps=self.eps,

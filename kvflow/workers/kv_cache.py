@@ -27,7 +27,7 @@ class KVCache:
     def bytes_per_block(self) -> int:
         b = self.backend
         num_kv_heads, head_dim = b.kv_shape
-        return 2 * self.num_layers * b.block_size * num_kv_heads * head_dim * b.dtype.itemsize
+        return 2 * self.num_layers * b.block_size * num_kv_heads * head_dim * b.kv_dtype.itemsize
 
     def allocate(self, num_blocks: int) -> None:
         """A fresh cache of `num_blocks` blocks (0: none), replacing the one held."""
@@ -36,7 +36,7 @@ class KVCache:
             b = self.backend
             shape = (2, self.num_layers) + b.cache_shape(num_blocks)
             # Zeroed: padded attention slots are masked, but 0 * NaN garbage is still NaN.
-            self.tensor = torch.empty(shape, dtype=b.dtype, device=b.device)
+            self.tensor = torch.empty(shape, dtype=b.kv_dtype, device=b.device)
             if self.tensor.device.type == "cpu":
                 advise_huge_pages(self.tensor)
             self.tensor.zero_()

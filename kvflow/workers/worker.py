@@ -59,7 +59,7 @@ class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.tp = tp or TPGroup()
-        self.device, self.dtype, self.weight_dtype = self._place()
+        self.device, self.dtype, self.weight_dtype, self._stored = self._place()
         self.kv_cache, self.ops = self._choose_implementations()
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
         self.drafter = self._build_drafter()
@@ -75,8 +75,9 @@ class Worker:
     def backend(self) -> AttentionBackend:
         return self.kv_cache.backend
 
-    def _place(self) -> tuple[torch.device, torch.dtype, torch.dtype]:
-        """The device, the compute dtype and the weights' dtype (hardware.DtypeChoice)."""
+    def _place(self) -> tuple[torch.device, torch.dtype, torch.dtype, torch.dtype]:
+        """The device, the compute dtype, the weights' dtype and the dtype `auto` stores
+        weights and KV cache in (hardware.DtypeChoice)."""
         torch.set_num_threads(self.config.num_threads)
         device = resolve_device(self.config.device,
                                 self.config.parallel.local_rank(self.tp.rank))
@@ -84,10 +85,10 @@ class Worker:
         if self.tp.rank == 0:
             log = logger.warning if choice.slow else logger.info
             log("dtype %s (%s)", DTYPE_NAMES[choice.dtype], choice.reason)
-        weights = choice.weights or choice.dtype
+        stored = weights = choice.weights or choice.dtype
         if self.config.quantization is not None:       # int8 weights, quantized from these
             weights = choice.dtype
-        return device, choice.dtype, weights
+        return device, choice.dtype, weights, stored
 
     def _choose_implementations(self) -> tuple[KVCache, Ops]:
         cfg, block_size = self.config, self.config.cache.block_size
@@ -96,10 +97,26 @@ class Worker:
         num_layers, num_kv_heads, head_dim = model_class.kv_cache_spec(cfg.model.hf_config,
                                                                        self.tp)
         backend = make_backend(name, block_size, num_kv_heads, head_dim, self.dtype,
-                               self.device)
+                               self.device, self._kv_dtype(name))
         ops = choose_ops(self.device, name, self.dtype, cfg.enforce_eager, cfg.quantization,
                          self.weight_dtype)
         return KVCache(backend, num_layers), ops
+
+    def _kv_dtype(self, backend: str) -> torch.dtype:
+        """The KV cache's dtype: the arithmetic's, or bfloat16 under float32 (the cpu
+        backend's kernels round K/V when storing and widen them when reading): with
+        kv_cache_dtype="auto" where the weights are stored in bfloat16 (dtype="auto" on a
+        CPU without bfloat16 arithmetic, hardware.py), or with kv_cache_dtype="bfloat16"."""
+        requested = self.config.cache.kv_cache_dtype
+        wanted = self._stored if requested == "auto" else getattr(torch, requested)
+        if wanted == self.dtype or (wanted == torch.bfloat16 and self.dtype == torch.float32
+                                    and backend == "cpu"):
+            return wanted
+        if requested == "auto":
+            return self.dtype
+        raise ValueError(f"kv_cache_dtype={requested!r} under dtype "
+                         f"{DTYPE_NAMES[self.dtype]} needs float32 arithmetic and the cpu "
+                         f"attention backend (here: the {backend!r} backend)")
 
     def _build_model(self, model_cfg: ModelConfig, tp: TPGroup, kv_cache: KVCache
                      ) -> LlamaForCausalLM:
@@ -136,7 +153,7 @@ class Worker:
         num_layers, num_kv_heads, head_dim = MODELS[spec.draft.architecture].kv_cache_spec(
             spec.draft.hf_config, TPGroup())
         backend = make_backend(self.backend.name, self.config.cache.block_size, num_kv_heads,
-                               head_dim, self.dtype, self.device)
+                               head_dim, self.dtype, self.device, self.backend.kv_dtype)
         kv_cache = KVCache(backend, num_layers)
         model = self._build_model(spec.draft, TPGroup(), kv_cache)
         return DraftModel(model, kv_cache, self.ops.argmax, self.device, self.tp)
@@ -177,10 +194,11 @@ class Worker:
         fast = (" + decode CUDA graphs" if self.use_cuda_graphs
                 else f" + fused decode steps (<= {self.runner.fused.max_tokens} tokens)"
                 if self.runner.fused is not None else "")
-        logger.info("rank %d: device %s, attention backend %s%s, ops %s%s, linear %s",
-                    self.tp.rank, self.device, self.backend.name,
+        logger.info("rank %d: device %s, attention backend %s%s, KV cache %s, ops %s%s, "
+                    "linear %s", self.tp.rank, self.device, self.backend.name,
                     " (auto)" if self.config.attention_backend == "auto" else "",
-                    self.ops.name, fast, self.ops.linear.name)
+                    DTYPE_NAMES[self.backend.kv_dtype], self.ops.name, fast,
+                    self.ops.linear.name)
 
     # --- KV cache ------------------------------------------------------------------------
 

@@ -75,10 +75,11 @@ class AttentionBackend:
                      None]
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         self.block_size = block_size
         self.kv_shape = (num_kv_heads, head_dim)     # per rank
-        self.dtype = dtype
+        self.dtype = dtype                           # queries and outputs
+        self.kv_dtype = kv_dtype or dtype            # the cache (bfloat16 under float32: cpu)
         self.device = device
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:

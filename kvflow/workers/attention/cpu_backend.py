@@ -38,12 +38,14 @@ class CpuBackend(AttentionBackend):
     contexts c+1 .. c+n: causal attention, cached prefix included; the kernel takes such runs
     in flash-style tiles. float32 and bfloat16. On CPUs with AMX, bfloat16 prompts of
     SDPA_MIN_ROWS tokens or more go to torch's SDPA instead (the torch backend's prefill). The
-    cache is asked for 2 MB pages (kv_cache.advise_huge_pages)."""
+    cache is asked for 2 MB pages (kv_cache.advise_huge_pages). The one backend whose cache
+    may be bfloat16 under float32 arithmetic (kv_dtype; the kernels round K/V when storing
+    and widen them when reading)."""
     name = "cpu"
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(block_size, num_kv_heads, head_dim, dtype, device)
+                 device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
         from kvflow.kernels.cpu_ops import paged_attention, store_kv
         self._kernel, self._store = paged_attention, store_kv
         self.sdpa_min_rows = (SDPA_MIN_ROWS if dtype == torch.bfloat16
