@@ -410,8 +410,8 @@ def main() -> None:
                 kind = weight_kind(name, auto_kind)
                 # K/V: llama.cpp's cache is float16; the others' is their compute dtype.
                 kv_bytes = 2.0 if name.startswith("llamacpp") or kind != "float32" else 4.0
-                if name in ("kvflow-int8", "kvflow-auto"):      # KV in the arithmetic's dtype
-                    kv_bytes = WEIGHT_BYTES[auto_kind]
+                if name in ("kvflow-int8", "kvflow-auto"):      # dtype auto: a bfloat16 KV
+                    kv_bytes = 2.0                              # cache on every CPU
                 row["roofline_share"] = roofline_seconds(
                     hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
                     kv_bytes, bandwidth) / elapsed

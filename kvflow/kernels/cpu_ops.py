@@ -152,8 +152,8 @@ def _load(path: Path) -> ctypes.CDLL:
         for suffix in DTYPES.values():
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
-    attention = lib.paged_attention_f32_kv_bf16
-    attention.restype, attention.argtypes = signatures["paged_attention"]
+    mixed = getattr(lib, "paged_attention_f32_kv_bf16")    # float32 queries, bf16 cache
+    mixed.restype, mixed.argtypes = signatures["paged_attention"]
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
     lib.store_kv.restype, lib.store_kv.argtypes = ctypes.c_int, store_argtypes
     lib.store_kv_f32_to_bf16.restype = ctypes.c_int
@@ -396,7 +396,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_entries = q_rows.shape[0]
     assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
     kernel = (_fn("paged_attention", q.dtype) if k_cache.dtype == q.dtype
-              else library().paged_attention_f32_kv_bf16)
+              else _fn("paged_attention_f32_kv", k_cache.dtype))     # ..._f32_kv_bf16
     status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[0], table_rows.data_ptr(), context_lens.data_ptr(),
