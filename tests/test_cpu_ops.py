@@ -281,13 +281,15 @@ def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torc
 
 
 def test_kernels_refuse_indices_outside_their_tensors() -> None:
-    """A bad slot or table entry raises instead of writing or reading out of bounds."""
+    """A bad slot or table entry raises instead of writing or reading out of bounds (float32
+    rows into a float32 cache, and into a bfloat16 one)."""
     cache = torch.zeros(2, 64, 16)                   # 4 blocks of 16 slots
     rows = torch.randn(3, 2, 16)
     for bad in (64, -1):
-        with pytest.raises(IndexError, match="slot"):
-            cpu_ops.store_kv(rows, rows, cache, cache.clone(), torch.tensor([0, bad, 5]))
-    assert cache.abs().sum() == 0                    # nothing written on refusal
+        for target in (cache, cache.bfloat16()):
+            with pytest.raises(IndexError, match="slot"):
+                cpu_ops.store_kv(rows, rows, target, target.clone(), torch.tensor([0, bad, 5]))
+            assert target.abs().sum() == 0           # nothing written on refusal
     q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     good = dict(table_rows=torch.tensor([0, 1], dtype=torch.int32),

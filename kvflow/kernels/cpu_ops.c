@@ -812,6 +812,19 @@ DEFINE_ARGMAX(argmax_f32, float, uint32_t, key_f32)
 /* KV store: row t of `src` (heads rows of `row_bytes`, `head_stride` bytes apart, tokens
  * `token_stride` bytes apart) goes to slot slots[t] of a head-major cache
  * [heads, num_slots, row]. One memcpy a row, no dtype involved. */
+int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
+             int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
+             char *cache) {
+    for (int64_t t = 0; t < num_tokens; t++)      /* a bad slot must not write anywhere */
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    PARALLEL_IF(num_tokens * heads * row_bytes / 4)
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            memcpy(cache + (h * num_slots + slots[t]) * row_bytes,
+                   src + t * token_stride + h * head_stride, (size_t)row_bytes);
+    return 0;
+}
+
 /* store_kv for float32 rows into a bfloat16 cache, rounded to nearest even as torch rounds;
  * strides in bytes, as store_kv's. */
 int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_stride,
@@ -827,18 +840,5 @@ int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_str
             _Pragma("omp simd")
             for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(row[d]);
         }
-    return 0;
-}
-
-int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
-             int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
-             char *cache) {
-    for (int64_t t = 0; t < num_tokens; t++)      /* a bad slot must not write anywhere */
-        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
-    PARALLEL_IF(num_tokens * heads * row_bytes / 4)
-    for (int64_t t = 0; t < num_tokens; t++)
-        for (int64_t h = 0; h < heads; h++)
-            memcpy(cache + (h * num_slots + slots[t]) * row_bytes,
-                   src + t * token_stride + h * head_stride, (size_t)row_bytes);
     return 0;
 }
