@@ -1,18 +1,20 @@
-"""How close quantization="int8" stays to float32 on the default model.
+"""How close quantization="int8", and the other storage types, stay to float32 on the default
+model.
 
 int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8A8 (or W7A8,
 7-bit weights, on CPUs without VNNI), decode steps of a few tokens weight-only. For
 each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 W8A8 with
 float32 or bfloat16 activations, 7-bit weights, without SmoothQuant
-(workers/smoothing.py); int8 weight-only, the decode path, for every product) is compared
-with float32 in two ways:
+(workers/smoothing.py); int8 weight-only, the decode path, for every product; float32 with a
+bfloat16 KV cache; dtype="auto" as a CPU without bfloat16 arithmetic runs it, float32 on
+bfloat16 weights and KV cache) is compared with float32 in two ways:
 - teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
   whether the variant's argmax is float32's token, and |logprob difference| of that token;
 - free-running: the variant's own greedy tokens; how many equal float32's before the first
   divergence. All prompts run as one batch (decode steps of 10 rows: W8A8), and one at a time
   ("alone": decodes weight-only, as a single user gets them).
 
-    python benchmarks/int8_quality.py [--max-tokens 64]
+    python benchmarks/int8_quality.py [--max-tokens 64] [--variants bfloat16,auto...]
 """
 from __future__ import annotations
 
@@ -53,13 +55,22 @@ VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
             "int8 (float32 activations)": dict(dtype="float32", quantization="int8"),
             "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8"),
             "int8, 7-bit weights (W7A8)": dict(dtype="float32", quantization="int8"),
-            "int8 weight-only everywhere": dict(dtype="float32", quantization="int8")}
+            "int8 weight-only everywhere": dict(dtype="float32", quantization="int8"),
+            "float32, bfloat16 KV cache": dict(dtype="float32", kv_cache_dtype="bfloat16"),
+            "auto without AVX512-BF16/AMX": dict(dtype="auto")}
+# The flags that variant decides by (workers/hardware.py): an AVX2-only CPU's.
+AVX2_FLAGS = "sse4_2 avx avx2 fma f16c bmi2"
+FLAGS = os.environ.get("KVFLOW_CPU_FLAGS")            # the others': as the run was started
 
 
 def patched(name: str) -> None:
     """What a variant changes: SmoothQuant off, 7-bit weights (as on CPUs without
-    VNNI), or every product on the weight-only decode path."""
+    VNNI), every product on the weight-only decode path, or the CPU's flags."""
     from kvflow.workers.layers import linear, ops
+    os.environ.pop("KVFLOW_CPU_FLAGS", None)
+    flags = AVX2_FLAGS if "without AVX512-BF16" in name else FLAGS
+    if flags is not None:
+        os.environ["KVFLOW_CPU_FLAGS"] = flags
     LlamaForCausalLM.smoothing_pairs = (                      # type: ignore[method-assign]
         (lambda self: []) if "no SmoothQuant" in name else smoothing_pairs)
     linear.gemm_weight_levels = (lambda flags: 63) if "7-bit" in name else GEMM_WEIGHT_LEVELS
@@ -102,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--variants", help="comma-separated prefixes of the variants to run "
+                        "(default: all)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     path = ensure_default_model()
@@ -122,6 +135,8 @@ def main() -> None:
     print(f"{'variant':30s} {'top-1 agree':>12s} {'mean |dlogprob|':>16s} "
           f"{'free-run prefix':>16s} {'alone':>7s}")
     for name, options in VARIANTS.items():
+        if args.variants and not any(name.startswith(v) for v in args.variants.split(",")):
+            continue
         patched(name)
         worker = Worker(make_engine_config(path, kv_cache_memory_gb=0.05, device="cpu",
                                            **options))           # type: ignore[arg-type]
