@@ -59,7 +59,7 @@ class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.tp = tp or TPGroup()
-        self.device, self.dtype, self.weight_dtype, self._stored = self._place()
+        self.device, self.dtype, self.storage_dtype = self._place()
         self.kv_cache, self.ops = self._choose_implementations()
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
         self.drafter = self._build_drafter()
@@ -75,9 +75,15 @@ class Worker:
     def backend(self) -> AttentionBackend:
         return self.kv_cache.backend
 
-    def _place(self) -> tuple[torch.device, torch.dtype, torch.dtype, torch.dtype]:
-        """The device, the compute dtype, the weights' dtype and the dtype `auto` stores
-        weights and KV cache in (hardware.DtypeChoice)."""
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The float weights' values: the storage dtype's (int8 quantizes them as loaded)."""
+        return self.dtype if self.config.quantization is not None else self.storage_dtype
+
+    def _place(self) -> tuple[torch.device, torch.dtype, torch.dtype]:
+        """The device, the compute dtype and the dtype weights and KV cache are stored in
+        (hardware.DtypeChoice: bfloat16 under float32 for dtype="auto" on a CPU without
+        bfloat16 arithmetic)."""
         torch.set_num_threads(self.config.num_threads)
         device = resolve_device(self.config.device,
                                 self.config.parallel.local_rank(self.tp.rank))
@@ -85,10 +91,7 @@ class Worker:
         if self.tp.rank == 0:
             log = logger.warning if choice.slow else logger.info
             log("dtype %s (%s)", DTYPE_NAMES[choice.dtype], choice.reason)
-        stored = weights = choice.weights or choice.dtype
-        if self.config.quantization is not None:       # int8 weights, quantized from these
-            weights = choice.dtype
-        return device, choice.dtype, weights, stored
+        return device, choice.dtype, choice.weights or choice.dtype
 
     def _choose_implementations(self) -> tuple[KVCache, Ops]:
         cfg, block_size = self.config, self.config.cache.block_size
@@ -108,7 +111,7 @@ class Worker:
         kv_cache_dtype="auto" where the weights are stored in bfloat16 (dtype="auto" on a
         CPU without bfloat16 arithmetic, hardware.py), or with kv_cache_dtype="bfloat16"."""
         requested = self.config.cache.kv_cache_dtype
-        wanted = self._stored if requested == "auto" else getattr(torch, requested)
+        wanted = self.storage_dtype if requested == "auto" else getattr(torch, requested)
         if wanted == self.dtype or (wanted == torch.bfloat16 and self.dtype == torch.float32
                                     and backend == "cpu"):
             return wanted
