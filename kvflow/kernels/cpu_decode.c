@@ -148,6 +148,18 @@ static void norm_heads(const DecodeStep *s, const DecodeLayer *L, int64_t qkv_wi
     }
 }
 
+/* The step's new K or V rows (`heads` rows a token, token_stride bytes apart) into a cache of
+ * the step's kv_dtype: copied, or rounded from float32 into bfloat16. */
+static int store_rows(const DecodeStep *s, const char *src, int64_t token_stride,
+                      int64_t heads, void *cache) {
+    const int64_t d = s->head_dim, e = esize(s->dtype);
+    if (s->kv_dtype != s->dtype)
+        return store_kv_f32_to_bf16(src, token_stride, d * e, s->slots, s->num_tokens, heads,
+                                    d, s->num_slots, cache);
+    return store_kv(src, token_stride, d * e, s->slots, s->num_tokens, heads, d * e,
+                    s->num_slots, cache);
+}
+
 /* The attention sublayer; its output (before any all-reduce) in s->h. */
 int decode_attention(const DecodeLayer *L, DecodeStep *s) {
     const int64_t T = s->num_tokens, d = s->head_dim, nh = s->num_heads, nkv = s->num_kv_heads;
@@ -164,28 +176,19 @@ int decode_attention(const DecodeLayer *L, DecodeStep *s) {
     DISPATCH(s, rotary, q_src, q_stride, s->positions, s->cos, s->sin, T, nh, d, s->q);
     DISPATCH(s, rotary, k_src, k_stride, s->positions, s->cos, s->sin, T, nkv, d, s->k);
     const char *v_src = at(s->qkv, (nh + nkv) * d, s->dtype);
-    int status;
-    if (s->kv_dtype != s->dtype) {                /* float32 rows, a bfloat16 cache */
-        if (store_kv_f32_to_bf16((const char *)s->k, nkv * d * e, d * e, s->slots, T, nkv, d,
-                                 s->num_slots, L->k_cache)
-            || store_kv_f32_to_bf16(v_src, width * e, d * e, s->slots, T, nkv, d, s->num_slots,
-                                    L->v_cache))
-            return 3;
-        status = paged_attention_f32_kv_bf16(s->q, L->k_cache, L->v_cache, s->block_tables,
-                                             s->num_tables, s->table_rows, s->context_lens,
-                                             s->q_rows, T, T, s->max_blocks, nh, nkv, d,
-                                             s->block_size, s->num_slots, s->scale, s->attn);
-    } else {
-        if (store_kv((const char *)s->k, nkv * d * e, d * e, s->slots, T, nkv, d * e,
-                     s->num_slots, L->k_cache)
-            || store_kv(v_src, width * e, d * e, s->slots, T, nkv, d * e, s->num_slots,
-                        L->v_cache))
-            return 3;
-        status = DISPATCH(s, paged_attention, s->q, L->k_cache, L->v_cache, s->block_tables,
-                          s->num_tables, s->table_rows, s->context_lens, s->q_rows, T, T,
-                          s->max_blocks, nh, nkv, d, s->block_size, s->num_slots, s->scale,
-                          s->attn);
-    }
+    if (store_rows(s, (const char *)s->k, nkv * d * e, nkv, L->k_cache)
+        || store_rows(s, v_src, width * e, nkv, L->v_cache))
+        return 3;
+    const int status =
+        s->kv_dtype != s->dtype                   /* float32 queries, a bfloat16 cache */
+            ? paged_attention_f32_kv_bf16(s->q, L->k_cache, L->v_cache, s->block_tables,
+                                          s->num_tables, s->table_rows, s->context_lens,
+                                          s->q_rows, T, T, s->max_blocks, nh, nkv, d,
+                                          s->block_size, s->num_slots, s->scale, s->attn)
+            : DISPATCH(s, paged_attention, s->q, L->k_cache, L->v_cache, s->block_tables,
+                       s->num_tables, s->table_rows, s->context_lens, s->q_rows, T, T,
+                       s->max_blocks, nh, nkv, d, s->block_size, s->num_slots, s->scale,
+                       s->attn);
     if (status) return 10 + status;
     return linear(s, &L->o, s->attn, s->h) ? 2 : 0;
 }

@@ -73,10 +73,9 @@ def _triton_interpreting() -> bool:
 def make_backend(name: str, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """`kv_dtype`: the cache's, if not `dtype` (bfloat16 under float32: `cpu` only)."""
-    if kv_dtype not in (None, dtype) and name != "cpu":
-        raise ValueError(f"a {kv_dtype} KV cache under {dtype} arithmetic needs the cpu "
-                         f"attention backend, not {name!r}")
-    if name == "cpu":
-        return CpuBackend(block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
-    return BACKENDS[name](block_size, num_kv_heads, head_dim, dtype, device)
+    """`kv_dtype`: the cache's, if not `dtype` (bfloat16 under float32, which only the `cpu`
+    backend reads: Worker._kv_dtype decides)."""
+    if kv_dtype in (None, dtype):
+        return BACKENDS[name](block_size, num_kv_heads, head_dim, dtype, device)
+    assert name == "cpu", f"the {name!r} backend reads a cache of its arithmetic's dtype only"
+    return CpuBackend(block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
