@@ -2,17 +2,17 @@
 model.
 
 int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8A8 (or W7A8,
-7-bit weights, on CPUs without VNNI), decode steps of a few tokens weight-only. For
+7-bit weights, on CPUs without VNNI), decode steps of a few tokens W8A16. For
 each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 W8A8 with
 float32 or bfloat16 activations, 7-bit weights, without SmoothQuant
-(workers/smoothing.py); int8 weight-only, the decode path, for every product; float32 with a
+(workers/smoothing.py); int8 W8A16, the decode path, for every product; float32 with a
 bfloat16 KV cache; dtype="auto" as a CPU without bfloat16 arithmetic runs it, float32 on
 bfloat16 weights and KV cache) is compared with float32 in two ways:
 - teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
   whether the variant's argmax is float32's token, and |logprob difference| of that token;
 - free-running: the variant's own greedy tokens; how many equal float32's before the first
   divergence. All prompts run as one batch (decode steps of 10 rows: W8A8), and one at a time
-  ("alone": decodes weight-only, as a single user gets them).
+  ("alone": decodes W8A16, as a single user gets them).
 
     python benchmarks/int8_quality.py [--max-tokens 64] [--variants bfloat16,auto...]
 """
@@ -55,7 +55,7 @@ VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
             "int8 (float32 activations)": dict(dtype="float32", quantization="int8"),
             "int8 (bfloat16 activations)": dict(dtype="bfloat16", quantization="int8"),
             "int8, 7-bit weights (W7A8)": dict(dtype="float32", quantization="int8"),
-            "int8 weight-only everywhere": dict(dtype="float32", quantization="int8"),
+            "int8 W8A16 everywhere": dict(dtype="float32", quantization="int8"),
             "float32, bfloat16 KV cache": dict(dtype="float32", kv_cache_dtype="bfloat16"),
             "auto without AVX512-BF16/AMX": dict(dtype="auto")}
 # The flags that variant decides by (workers/hardware.py): an AVX2-only CPU's.
@@ -65,7 +65,7 @@ FLAGS = os.environ.get("KVFLOW_CPU_FLAGS")            # the others': as the run 
 
 def patched(name: str) -> None:
     """What a variant changes: SmoothQuant off, 7-bit weights (as on CPUs without
-    VNNI), every product on the weight-only decode path, or the CPU's flags."""
+    VNNI), every product on the W8A16 decode path, or the CPU's flags."""
     from kvflow.workers.layers import linear, ops
     os.environ.pop("KVFLOW_CPU_FLAGS", None)
     flags = AVX2_FLAGS if "without AVX512-BF16" in name else FLAGS
@@ -74,7 +74,7 @@ def patched(name: str) -> None:
     LlamaForCausalLM.smoothing_pairs = (                      # type: ignore[method-assign]
         (lambda self: []) if "no SmoothQuant" in name else smoothing_pairs)
     linear.gemm_weight_levels = (lambda flags: 63) if "7-bit" in name else GEMM_WEIGHT_LEVELS
-    ops.GEMV_MAX_ROWS = 1 << 30 if "weight-only" in name else GEMV_MAX_ROWS
+    ops.GEMV_MAX_ROWS = 1 << 30 if "W8A16" in name else GEMV_MAX_ROWS
 
 
 @dataclass

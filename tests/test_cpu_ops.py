@@ -377,12 +377,53 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
     ref = xd @ weight.T + bias.double()
     assert got.dtype == x_dtype and got.shape == (m, n)
     scale = float(ref.abs().max())
-    if x_dtype == torch.float32:
+    if w_dtype == torch.int8 and x_dtype == torch.float32:
+        # int8 sums in integers over x rounded per row to +-xq_max(K): each x' = x in_scale
+        # may move by half a step, peak / (2 xq_max), so an output by that times sum |W|.
+        step = xd.abs().amax(dim=1, keepdim=True) / int8_x_levels(k)
+        bound = step / 2 * weight.abs().sum(dim=1)[None, :] + 1e-5 * scale
+        assert bool(((got.double() - ref).abs() <= bound).all())
+        assert float((got.double() - ref).abs().max()) > 0     # x was rounded, not exact
+    elif x_dtype == torch.float32:
         torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
     else:                     # the sums in float32, one bf16 rounding of the output
         torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
     one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
     assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
+
+
+def int8_x_levels(k: int) -> int:
+    """cpu_gemv.c's xq_max: the integers x is rounded to for int8 weights, +-this, fewer for
+    long rows so that no 32-bit lane can overflow."""
+    return min(16383, (2**31 - 1) // (127 * (k // 8 + 2)))
+
+
+@pytest.mark.parametrize("k", [31, 4100, 20000, 70001])
+def test_gemv_int8_sums_cannot_overflow(kernels: str, k: int) -> None:
+    """The worst case for the integer sums: every weight +-127 and every x at the row's peak
+    with the same sign, over rows long enough that x gets fewer levels (20000, 70001). The
+    result is then exact: x rounds to +-xq_max without error."""
+    w = torch.full((5, k), 127, dtype=torch.int8)
+    w[1] = -127
+    x = torch.full((3, k), 2.5)
+    x[1] = -0.75
+    scales = torch.full((5,), 0.01)
+    got = cpu_ops.gemv(x, w, scales)
+    ref = x.double() @ (w.double() * 0.01).T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=0)
+    assert int8_x_levels(k) < 16383 or k < 8000
+
+
+def test_gemv_int8_rows_with_inf_or_nan(kernels: str) -> None:
+    """A row of x holding an inf or NaN gives NaN outputs, as the float product would; the
+    other rows are untouched."""
+    w, scales = torch.randint(-127, 128, (9, 64), dtype=torch.int8), torch.rand(9) + 0.1
+    x = torch.randn(3, 64)
+    clean = cpu_ops.gemv(x, w, scales)
+    x[1, 5], x[2, 0] = float("inf"), float("nan")
+    got = cpu_ops.gemv(x, w, scales)
+    assert torch.equal(got[0], clean[0])
+    assert bool(got[1:].isnan().all())
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 70])

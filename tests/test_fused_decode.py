@@ -87,7 +87,7 @@ def test_tensor_parallel_2_fused_equals_unfused(default_model: str, tmp_path: st
 
 
 def test_int8_fused_equals_unfused(default_model: str) -> None:
-    """int8: decode steps of at most four rows are weight-only on the gemv kernel in both
+    """int8: decode steps of at most four rows are W8A16 on the gemv kernel in both
     paths (layers/linear.py Int8Linear), so fused and unfused give the same tokens."""
     from kvflow.workers.layers.linear import Int8Linear
     if Int8Linear.works() is not None:

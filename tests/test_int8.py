@@ -1,5 +1,5 @@
 """quantization="int8" (layers/linear.py Int8Linear: W8A8 for prefills and large batches,
-weight-only for decode steps): the per-token quantization kernel against its
+W8A16 for decode steps): the per-token quantization kernel against its
 torch reference, the int8 linear against the float linear, 7-bit weights on oneDNN's
 AVX2 path and the engine as an AVX2 CPU runs it, and the default model end to end against
 HF transformers in float32."""
@@ -92,7 +92,7 @@ def test_default_model_int8_tracks_float32_hf(default_model: str) -> None:
     """int8's own greedy tokens, scored by HF float32 on the same prefixes (one forward over
     prompt + output): at every position int8's token is one of HF's top 5 and the two
     logprobs of it are close. Batched (decode steps of six rows: W8A8) and alone (decodes
-    weight-only). Per position, so one near-tie does not cascade as counting tokens before
+    W8A16). Per position, so one near-tie does not cascade as counting tokens before
     the first divergence from HF's own greedy run would."""
     from transformers import AutoModelForCausalLM
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
@@ -201,9 +201,9 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
 
 @pytest.mark.parametrize("flags,rows", [("avx2 fma", 32), ("avx2 fma avx512f avx512_vnni", 4),
                                         ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4)])
-def test_without_vnni_int8_runs_weight_only_up_to_32_rows(monkeypatch: pytest.MonkeyPatch,
+def test_without_vnni_int8_runs_w8a16_up_to_32_rows(monkeypatch: pytest.MonkeyPatch,
                                                           flags: str, rows: int) -> None:
-    """The engine's int8 layers run products of up to 32 rows weight-only on the gemv kernel
+    """The engine's int8 layers run products of up to 32 rows W8A16 on the gemv kernel
     where the CPU lacks VNNI and AMX-INT8 (oneDNN's W7A8 GEMM is the slower there), up to
     GEMV_MAX_ROWS where it has them; either way the product is the float layer's within int8
     rounding."""

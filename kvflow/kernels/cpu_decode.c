@@ -15,7 +15,7 @@
  *              h = a Wdown^T
  * Activations are in the model dtype (float32 or bfloat16) and rounded where the torch path
  * rounds them. Linear weights are the model dtype's, or int8 with a float32 scale per output
- * row (weight-only: x is not quantized).
+ * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -12,10 +12,10 @@
  * the prefetch 28 and 37: benchmarks/cpu_kernels.py --gemv).
  *
  * Weights: float32, bfloat16 (widened in registers, or on AVX512-BF16 CPUs multiplied in
- * pairs by vdpbf16ps) and int8 with a float32 scale per output row (weight-only
- * quantization: x stays in float, the int8 row is widened in registers and the dot product
- * scaled once). Sums in float32; the output is rounded once to its dtype, with the bias (a
- * float32 vector) added before rounding, as oneDNN does.
+ * pairs by vdpbf16ps) and int8 with a float32 scale per output row (W8A16: x is rounded per
+ * row to 15-bit integers, the products summed exactly in integers and scaled once; see
+ * dot_tile_i8). Sums in float32 (int8: integers); the output is rounded once to its dtype,
+ * with the bias (a float32 vector) added before rounding, as oneDNN does.
  *
  * Paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes), or plain C; chosen by the build's -march
  * (cpu_ops.py builds this file with cpu_ops.c into one library, also without AVX512-BF16 or
@@ -54,7 +54,6 @@ typedef __m512 vf;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSUM(v) _mm512_reduce_add_ps(v)
 #define VLOAD_F32(p) _mm512_loadu_ps(p)
-#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 typedef __m512i vword;
 #define VLOAD_WORDS(p) _mm512_loadu_si512((const void *)(p))
 #define VEVEN_BF16(u) _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))
@@ -72,7 +71,6 @@ static inline float vsum256(__m256 v) {
 }
 #define VSUM(v) vsum256(v)
 #define VLOAD_F32(p) _mm256_loadu_ps(p)
-#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 typedef __m256i vword;
 #define VLOAD_WORDS(p) _mm256_loadu_si256((const __m256i *)(p))
 #define VEVEN_BF16(u) _mm256_castsi256_ps(_mm256_slli_epi32(u, 16))
@@ -85,13 +83,16 @@ typedef __m256i vword;
 
 /* Fetch row r's element k of the tile PREFETCH_TILES ahead (no fault past the end), once per
  * 64-byte line of the row, not once per vector (a vector of bf16 or int8 weights is 16 or 8
- * bytes on AVX2). */
+ * bytes on AVX2). Into L2 (T1), not L1: a T0 prefetch holds one of the core's few L1 fill
+ * buffers until its line arrives; to L2 the int8 weights of a one-row decode streamed at
+ * 19-23 GB/s instead of 16-21 (bf16 +0.5, the reads measured at 24). A distance in bytes
+ * instead of tiles (4x the rows for int8), or 1 or 4 tiles, was no better. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define PREFETCH(w, r, k, K)                                                                  \
     do {                                                                                      \
         if ((((k) * (int64_t)sizeof(*(w))) & 63) == 0)                                        \
             _mm_prefetch((const char *)((w) + ((r) + PREFETCH_TILES * ROWS) * (K) + (k)),    \
-                         _MM_HINT_T0);                                                        \
+                         _MM_HINT_T1);                                                        \
     } while (0)
 #else
 #define PREFETCH(w, r, k, K) ((void)0)
@@ -100,8 +101,7 @@ typedef __m256i vword;
 static inline float load_w(const void *w, int type, int64_t i) {
     switch (type) {
         case T_F32: return ((const float *)w)[i];
-        case T_BF16: return gemv_bf16_to_f32(((const uint16_t *)w)[i]);
-        default: return (float)((const int8_t *)w)[i];
+        default: return gemv_bf16_to_f32(((const uint16_t *)w)[i]);
     }
 }
 
@@ -177,7 +177,6 @@ static inline void NAME(const WT *w, int64_t K, int64_t nr, const float *xf, int
 
 #define TYPE_OF_float T_F32
 #define TYPE_OF_uint16_t T_BF16
-#define TYPE_OF_int8_t T_I8
 DEFINE_DOT_TILE(dot_tile_f32, float, VLOAD_F32)
 #ifdef VL
 /* bf16 weights against x in float32 (every bf16 product but vdpbf16ps's): 2 VL weights a
@@ -232,7 +231,108 @@ static inline int64_t split_x(int64_t k, int64_t K) {
 DEFINE_DOT_TILE(dot_tile_bf16, uint16_t, unused)
 static inline int64_t split_x(int64_t k, int64_t K) { (void)K; return k; }
 #endif
-DEFINE_DOT_TILE(dot_tile_i8, int8_t, VLOAD_I8)
+
+/* --- int8 weights: integer dot products ---------------------------------------------------
+ * Widening every int8 weight to float32 (sign extension, conversion, FMA: three vector ops per
+ * VL weights) made the int8 loop the slowest of the three: in L2, one thread, 15.7 GB/s of
+ * int8 against 35 of bf16 (benchmarks/cpu_kernels.py --gemv), so it could not keep up with the
+ * memory. Here x is rounded once per row to integers of at most XQ_MAX (x ~ xq * xscale[m],
+ * symmetric; 15 bits and under, a relative error of at most 2^-15 of the row's largest value,
+ * about 1/100 of what rounding the weights to int8 costs) and each step sign-extends 2 VL
+ * weights to 16 bits and multiplies them in pairs with x into 32-bit sums: one vpdpwssd
+ * (AVX512-VNNI / AVX-VNNI), else vpmaddwd + vpaddd. The sums are exact integers, so the
+ * result is the same on every ISA and for any number of rows; XQ_MAX shrinks with K so that
+ * no 32-bit lane can overflow (xq_max). */
+#define XQ_LIMIT 16383
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define IL 32                                        /* int16 lanes a step */
+typedef __m512i vi;
+#define VI_ZERO() _mm512_setzero_si512()
+#define VI_LOAD_W(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define VI_LOAD_X(p) _mm512_loadu_si512((const void *)(p))
+#if defined(__AVX512VNNI__)
+#define VI_DOT(a, w, x) _mm512_dpwssd_epi32(a, w, x)
+#else
+#define VI_DOT(a, w, x) _mm512_add_epi32(a, _mm512_madd_epi16(w, x))
+#endif
+static inline int64_t vi_sum(__m512i v) {            /* in 64 bits: the lanes' sum may not fit 32 */
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(
+        _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+        _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+#elif defined(__AVX2__)
+#define IL 16
+typedef __m256i vi;
+#define VI_ZERO() _mm256_setzero_si256()
+#define VI_LOAD_W(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
+#if defined(__AVXVNNI__)
+#define VI_DOT(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
+#else
+#define VI_DOT(a, w, x) _mm256_add_epi32(a, _mm256_madd_epi16(w, x))
+#endif
+static inline int64_t vi_sum(__m256i v) {
+    const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(wide),
+                                    _mm256_extracti128_si256(wide, 1));
+    return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
+}
+#endif
+
+/* The largest |xq| for K inputs: a 32-bit lane sums at most K / 8 + 2 products of |w| <= 127
+ * (8 lanes of 32 bits on AVX2; fewer products a lane on AVX-512). */
+static inline int32_t xq_max(int64_t K) {
+    const int64_t bound = INT32_MAX / (127 * (K / 8 + 2));
+    return bound < XQ_LIMIT ? (int32_t)bound : XQ_LIMIT;
+}
+
+/* Exact sums of rows n0.. (nr <= ROWS) of int8 W with rows of xq (mr <= I8_XROWS). AVX2
+ * has 16 vector registers: 4 x 4 accumulators, 4 weight vectors and x's spill, so it takes
+ * 2 rows of x a pass (32 rows: 2.4 GB/s of int8 instead of 1.9, as an AVX2 CPU). */
+#if defined(__AVX512F__) || !defined(IL)
+#define I8_XROWS XROWS
+#else
+#define I8_XROWS 2
+#endif
+static inline __attribute__((always_inline)) void
+dot_tile_i8(const int8_t *w, int64_t K, int64_t nr, const int16_t *xq, int64_t mr,
+            int64_t acc[ROWS][I8_XROWS]) {
+#ifdef IL
+    vi a[ROWS][I8_XROWS];
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < I8_XROWS; m++) a[r][m] = VI_ZERO();
+    const int64_t kv = K - K % IL;
+    for (int64_t k = 0; k < kv; k += IL) {
+        vi wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (r < nr) {
+                PREFETCH(w, r, k, K);
+                wv[r] = VI_LOAD_W(w + r * K + k);
+            } else {
+                wv[r] = VI_ZERO();
+            }
+        }
+        for (int m = 0; m < I8_XROWS; m++) {
+            if (m >= mr) break;
+            const vi xv = VI_LOAD_X(xq + m * K + k);
+            for (int r = 0; r < ROWS; r++) a[r][m] = VI_DOT(a[r][m], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < I8_XROWS; m++) acc[r][m] = vi_sum(a[r][m]);
+#else
+    const int64_t kv = 0;
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < I8_XROWS; m++) acc[r][m] = 0;
+#endif
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) {
+            int64_t s = 0;
+            for (int64_t k = kv; k < K; k++) s += (int32_t)w[r * K + k] * xq[m * K + k];
+            acc[r][m] += s;
+        }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* bf16 weights and bf16 x on AVX512-BF16: vdpbf16ps multiplies 32 pairs exactly and sums
@@ -402,11 +502,34 @@ static inline void store_out(void *out, int otype, int64_t i, float v) {
     else ((uint16_t *)out)[i] = gemv_f32_to_bf16(v);
 }
 
+/* Row m of x (times in_scale) as integers of at most qmax into xq, given its largest
+ * magnitude `peak` (inf where the row holds an inf or NaN); returns the row's scale (x ~ xq *
+ * scale). A row holding an inf or NaN gets zeros and a NaN scale, so its outputs are NaN. The
+ * checks are on the bits: -ffast-math lets the compiler assume there are no infs or NaNs. */
+static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const float *in_scale,
+                        int64_t K, float peak, int32_t qmax, int16_t *xq) {
+    uint32_t bits;
+    memcpy(&bits, &peak, sizeof bits);
+    if (bits == 0x7F800000u || peak == 0.0f) {
+        memset(xq, 0, (size_t)K * sizeof *xq);
+        return peak == 0.0f ? 0.0f : __builtin_nanf("");
+    }
+    const float inv = (float)qmax / peak;
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t i = m * ldx + k;
+        float v = xtype == T_F32 ? ((const float *)x)[i]
+                                 : gemv_bf16_to_f32(((const uint16_t *)x)[i]);
+        if (in_scale) v *= in_scale[k];
+        xq[k] = (int16_t)__builtin_lrintf(v * inv);
+    }
+    return peak / (float)qmax;
+}
+
 /* out[m, n] = round(scale[n] * sum_k x[m, k] in_scale[k] W[n, k] + bias[n]) for m < M,
  * n < N. x: M rows of K (float32 or bfloat16, row stride ldx elements); W: [N, K] row-major
  * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
  * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
- * the weight-only path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
+ * this path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
  * otype (row stride ldo). Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the
  * tile unit cannot run it (no AMX, x not bf16, K % 32 or N % 16 not 0). */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
@@ -429,21 +552,37 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #else
     const int pairs = 0;
 #endif
-    /* x as contiguous float32 rows (or, for vdpbf16ps, contiguous bf16 rows). */
-    void *xs = malloc((size_t)(M * K) * (pairs ? 2 : 4));
+    /* x as contiguous rows: float32, bf16 for vdpbf16ps, or integers for int8 weights. */
+    const int ints = wtype == T_I8;
+    void *xs = malloc((size_t)(M * K) * (pairs || ints ? 2 : 4) + (size_t)M * sizeof(float));
     if (xs == NULL) return 1;
-    for (int64_t m = 0; m < M; m++)
+    float *xscale = (float *)((char *)xs + (size_t)(M * K) * (pairs || ints ? 2 : 4));
+    for (int64_t m = 0; m < M; m++) {
+        float *row = (float *)xs + m * K;
+        float peak = 0.0f;
         for (int64_t k = 0; k < K; k++) {
             const int64_t i = m * ldx + k;
             if (pairs) {
                 ((uint16_t *)xs)[m * K + k] = ((const uint16_t *)x)[i];
+                continue;
+            }
+            float v = xtype == T_F32 ? ((const float *)x)[i]
+                                     : gemv_bf16_to_f32(((const uint16_t *)x)[i]);
+            if (in_scale) v *= in_scale[k];
+            if (ints) {                   /* the largest magnitude; inf or NaN: peak = inf */
+                uint32_t bits;
+                memcpy(&bits, &v, sizeof bits);
+                bits &= 0x7FFFFFFFu;
+                if (bits > 0x7F800000u) bits = 0x7F800000u;
+                memcpy(&v, &bits, sizeof v);
+                peak = v > peak ? v : peak;
             } else {
-                const float v = xtype == T_F32 ? ((const float *)x)[i]
-                                               : gemv_bf16_to_f32(((const uint16_t *)x)[i]);
-                ((float *)xs)[m * K + (wtype == T_BF16 ? split_x(k, K) : k)]
-                    = in_scale ? v * in_scale[k] : v;
+                row[wtype == T_BF16 ? split_x(k, K) : k] = v;
             }
         }
+        if (ints) xscale[m] = quantize_x(x, xtype, ldx, m, in_scale, K, peak, xq_max(K),
+                                         (int16_t *)xs + m * K);
+    }
     const int64_t num_tiles = (N + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static) if (N * K * esize > 65536)
     for (int64_t tile = 0; tile < num_tiles; tile++) {
@@ -452,6 +591,21 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         for (int64_t m0 = 0; m0 < M; m0 += XROWS) {
             const int64_t mr = M - m0 < XROWS ? M - m0 : XROWS;
             float acc[ROWS][XROWS];
+            if (ints) {
+                const int8_t *wi = (const int8_t *)wt;
+                for (int64_t h = 0; h < mr; h += I8_XROWS) {
+                    const int64_t hr = mr - h < I8_XROWS ? mr - h : I8_XROWS;
+                    const int16_t *xq = (const int16_t *)xs + (m0 + h) * K;
+                    int64_t sums[ROWS][I8_XROWS];
+                    if (nr == ROWS && hr == 1) dot_tile_i8(wi, K, ROWS, xq, 1, sums);
+                    else if (nr == ROWS && hr == I8_XROWS)
+                        dot_tile_i8(wi, K, ROWS, xq, I8_XROWS, sums);
+                    else dot_tile_i8(wi, K, nr, xq, hr, sums);
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t m = 0; m < hr; m++)
+                            acc[r][h + m] = (float)sums[r][m] * xscale[m0 + h + m];
+                }
+            } else
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
             if (pairs)
                 dot_tile_dpbf16((const uint16_t *)wt, K, nr, (const uint16_t *)xs + m0 * K, mr,
@@ -460,10 +614,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
             if (wtype == T_F32)
                 dot_tile_f32((const float *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
-            else if (wtype == T_BF16)
-                dot_tile_bf16((const uint16_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
             else
-                dot_tile_i8((const int8_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+                dot_tile_bf16((const uint16_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
             for (int64_t r = 0; r < nr; r++) {
                 const float s = scales ? scales[n0 + r] : 1.0f, b = bias ? bias[n0 + r] : 0.0f;
                 for (int64_t m = 0; m < mr; m++)

@@ -90,10 +90,11 @@ def _cpu_id() -> str:
 
 # Builds for less than this CPU has, so that every machine can test (and time) the code that
 # CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those (and
-# minus AMX, which no such CPU has).
+# minus AMX, which no such CPU has; the AVX2 build also minus AVX-VNNI, which AVX2-only
+# servers such as AMD's before Zen 4 lack).
 _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16", *_NO_AMX),
-             "avx2": ("-mno-avx512f", *_NO_AMX)}
+             "avx2": ("-mno-avx512f", "-mno-avxvnni", *_NO_AMX)}
 
 
 def load_isa(isa: str) -> ctypes.CDLL:

@@ -180,7 +180,7 @@ def gemm_weight_levels(flags: frozenset[str]) -> int:
 
 
 def int8_gemv_rows(flags: frozenset[str], rows: int) -> int:
-    """Up to how many rows int8 products run weight-only on the gemv kernel: `rows` (the
+    """Up to how many rows int8 products run W8A16 on the gemv kernel: `rows` (the
     float layers' limit) where the CPU has VNNI or AMX-INT8, whose u8 x s8 GEMM is the faster
     from 8 rows on; 32 where it has neither. Measured as an AVX2 CPU (all of a decode step's
     linears, 2 threads): the gemv kernel took 0.37x oneDNN's W7A8 GEMM's time at 8 rows,
@@ -210,9 +210,9 @@ class Int8Weight(NamedTuple):
     packed: torch.Tensor            # int8 in oneDNN's layout (qlinear_prepack)
     scales: torch.Tensor            # float32 [out_features]
     zero_points: torch.Tensor       # int64 zeros [out_features] (symmetric)
-    # The gemv kernel's (decode, weight-only): the weight before SmoothQuant, int8 per row,
-    # and SmoothQuant's input scale, applied to x instead. Smoothing moves activation
-    # outliers into the weights, which helps W8A8 and hurts weight-only int8 (measured: 16
+    # The gemv kernel's (decode, W8A16): the weight before SmoothQuant, int8 per row, and
+    # SmoothQuant's input scale, applied to x instead. Smoothing moves activation outliers
+    # into the weights, which helps W8A8 and hurts int8 weights under fine x (measured: 16
     # of 64 greedy tokens tracked HF float32 with the smoothed weights, 47 without).
     rows: torch.Tensor | None = None          # int8 [out, in] row-major
     row_scales: torch.Tensor | None = None    # float32 [out]
@@ -222,8 +222,9 @@ class Int8Weight(NamedTuple):
 class Int8Linear(LinearMethod):
     """int8 weights per output channel on CPU, two ways:
     - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel; more rows on
-      CPUs without VNNI, `int8_gemv_rows`): weight-only, x stays in float and the int8 rows
-      are widened in registers (kernels/cpu_gemv.c), at the memory's read speed;
+      CPUs without VNNI, `int8_gemv_rows`): W8A16, x rounded per row to 15-bit integers
+      (2^-15 of its largest value) and multiplied with the int8 rows in exact integer sums
+      (kernels/cpu_gemv.c), at the memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
       (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
       int8 GEMM (VNNI, AMX where the CPU has them) into float32; the GEMM's weights are 7-bit
@@ -249,7 +250,7 @@ class Int8Linear(LinearMethod):
         self.gemv = gemv
         self.max_rows = max_rows if gemv is not None else 0
         bits = 8 if self.weight_levels == 127 else 7
-        self.name = (f"int8 (weight-only <= {max_rows} rows, W{bits}A8 above)" if self.max_rows
+        self.name = (f"int8 (W8A16 <= {max_rows} rows, W{bits}A8 above)" if self.max_rows
                      else f"int8 (W{bits}A8)")
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
