@@ -136,21 +136,28 @@ def step_inputs(run: ModelRunner, spans: list[tuple[int, int]]) -> tuple:
     return torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), meta
 
 
-def test_bfloat16_steps_of_up_to_32_tokens_run_fused_where_linears_are_tiled(
-        default_model: str) -> None:
-    """bfloat16 on a CPU with AMX: every linear is held in AMX tiles, the gemv kernel stays at
-    the memory's speed up to 32 rows, and so decode steps of up to 32 tokens run fused (8
-    elsewhere). A 20-request decode step through both paths agrees to bfloat16's rounding."""
+@pytest.mark.parametrize("mode", ["bfloat16", "auto as AVX2", "float32"])
+def test_steps_of_up_to_32_tokens_run_fused_where_the_gemv_kernel_takes_them(
+        default_model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of up to 32 tokens run fused where every linear runs 32 rows on the gemv
+    kernel in the model's forward too (8 elsewhere): bfloat16 on a CPU with AMX (the weights
+    in AMX tiles) and bfloat16 weights under float32 (dtype="auto" on an AVX2 CPU, flags
+    faked); not float32. A 20-request decode step through both paths agrees to bfloat16's
+    rounding."""
     from kvflow.kernels import cpu_ops
     from kvflow.workers.fused_decode import FusedDecode
     from kvflow.workers.layers.linear import OneDnnLinear
-    with LLM(default_model, in_process=True, dtype="bfloat16", kv_cache_memory_gb=0.2) as llm:
+    if mode == "auto as AVX2":
+        monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    wide = {"bfloat16": cpu_ops.gemv_amx_rows() > 0 and OneDnnLinear.works(torch.bfloat16),
+            "auto as AVX2": True, "float32": False}[mode]
+    dtype = "auto" if mode == "auto as AVX2" else mode
+    with LLM(default_model, in_process=True, dtype=dtype, kv_cache_memory_gb=0.2) as llm:
         run = runner(llm)
         assert run.fused is not None
-        tiled = cpu_ops.gemv_amx_rows() > 0 and OneDnnLinear.works(torch.bfloat16)
-        assert FusedDecode.tiled(run.model) == tiled
-        assert run.fused.max_tokens == (32 if tiled else 8)
-        assert run.fused.fits(20) == tiled
+        assert FusedDecode.gemv_rows(run.model) == (32 if wide else 4)
+        assert run.fused.max_tokens == (32 if wide else 8)
+        assert run.fused.fits(20) == wide
         run.model(*step_inputs(run, [(40, 40)] * 20))
         step = step_inputs(run, [(1, 41)] * 20)
         fused = run.fused.forward(*step)                       # type: ignore[arg-type]

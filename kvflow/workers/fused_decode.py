@@ -105,14 +105,14 @@ class FusedDecode:
         return None
 
     @staticmethod
-    def tiled(model: LlamaForCausalLM) -> bool:
-        """Whether every fused linear holds its weight in the AMX tile layout (bfloat16 on
-        CPUs with AMX), where the gemv kernel stays at the memory's speed up to 32 rows."""
-        return all(operands is not None and operands.amx
+    def gemv_rows(model: LlamaForCausalLM) -> int:
+        """Up to how many rows every fused linear runs on the gemv kernel in the model's own
+        forward too (LinearMethod.gemv_rows): 32 where the kernel is the faster up to there
+        (AMX tiles; bfloat16 weights under float32; int8 without VNNI), else a few."""
+        return min(m.method.gemv_rows(m.prepared)
                    for layer in cast(list[LlamaDecoderLayer], list(model.model.layers))
-                   for operands in (gemv_operands(m.prepared) for m in (
-                       layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_up_proj, layer.mlp.down_proj)))
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
     def _linear(self, module: Any) -> _Linear:
         operands = gemv_operands(module.prepared)

@@ -25,7 +25,7 @@ from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_AMX, Ops, choose_ops
+from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors, round_weights
 from kvflow.workers.model_runner import ModelRunner
@@ -180,17 +180,18 @@ class Worker:
                            self.dtype, self.drafter)
 
     def _fuse_decode_steps(self) -> None:
-        """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (FUSED_MAX_TOKENS_AMX
-        where every linear is held in AMX tiles) run every layer in one C call
-        (workers/fused_decode.py); enforce_eager keeps them unfused."""
+        """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (up to
+        FUSED_MAX_TOKENS_WIDE where every linear runs that many rows on the gemv kernel in the
+        model's forward too) run every layer in one C call (workers/fused_decode.py);
+        enforce_eager keeps them unfused."""
         if self.ops.name != "c" or self.backend.name != "cpu" or self.config.enforce_eager:
             return
         why = FusedDecode.unusable(self.model)
         if why is not None:
             logger.info("rank %d: decode steps unfused: %s", self.tp.rank, why)
             return
-        max_tokens = (FUSED_MAX_TOKENS_AMX if FusedDecode.tiled(self.model)
-                      else FUSED_MAX_TOKENS)
+        max_tokens = max(FUSED_MAX_TOKENS,
+                         min(FusedDecode.gemv_rows(self.model), FUSED_MAX_TOKENS_WIDE))
         self.runner.fused = FusedDecode(self.model, self.kv_cache, self.tp, max_tokens)
 
     def _log_choices(self) -> None:

@@ -40,6 +40,11 @@ class LinearMethod:
         """x W^T + b."""
         return F.linear(x, weight, bias)
 
+    def gemv_rows(self, prepared: Any) -> int:
+        """Up to how many rows of x `apply` multiplies this weight on the gemv kernel
+        (kernels/cpu_gemv.c; 0: never). The fused decode path takes steps that large."""
+        return 0
+
 
 class OneDnnLinear(LinearMethod):
     """The weight packed in oneDNN's blocked layout (CPU, float32/bfloat16)."""
@@ -129,11 +134,15 @@ class GemvLinear(LinearMethod):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if prepared is None:                     # before finish_loading
             return F.linear(x, weight, bias)
-        rows = self.amx_rows if prepared.amx else self.max_rows
-        if x.numel() <= rows * x.shape[-1]:
+        if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
             return self.gemv(x, prepared.plain, None, None if bias is None else bias.float(),
                              amx=prepared.amx)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
+
+    def gemv_rows(self, prepared: Any) -> int:
+        if prepared is None:
+            return 0
+        return self.amx_rows if prepared.amx else self.max_rows
 
 
 def smoothed(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -269,7 +278,7 @@ class Int8Linear(LinearMethod):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if prepared is None:                     # before finish_loading: the float weight
             return F.linear(x, weight, bias)
-        if prepared.rows is not None and x.numel() <= self.max_rows * x.shape[-1]:
+        if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
             assert self.gemv is not None
             return self.gemv(x, prepared.rows, prepared.row_scales,
                              None if bias is None else bias.float(),
@@ -281,6 +290,9 @@ class Int8Linear(LinearMethod):
                                                torch.float32, "none", [None], "")
         y = self.scale_rows(y, x_scales, None if bias is None else bias.float(), x.dtype)
         return y.view(shape[:-1] + (y.shape[-1],))
+
+    def gemv_rows(self, prepared: Any) -> int:
+        return self.max_rows if prepared is not None and prepared.rows is not None else 0
 
     @classmethod
     def works(cls) -> str | None:

@@ -52,13 +52,21 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 # where the CPU has them). Steps of at most FUSED_MAX_TOKENS tokens (decodes, drafts'
 # verifications) run every layer in one C call (workers/fused_decode.py): the per-op
 # overhead it removes outweighs a slower gemv up to there (benchmarks/cpu_kernels.py). Where
-# every linear is held in AMX tiles (bfloat16 on CPUs with AMX, `GemvLinear`), the gemv
-# kernel streams at the memory's speed up to 32 rows, and so the fused path runs steps of up
-# to FUSED_MAX_TOKENS_AMX tokens (a 32-request decode step: 559.6 tok/s against 478.8 with
-# the limit at 8, in-process, the cpu_peers workload).
+# every linear runs more rows on the gemv kernel (LinearMethod.gemv_rows), the fused path
+# takes steps of that many tokens, up to FUSED_MAX_TOKENS_WIDE:
+# - bfloat16 in AMX tiles (CPUs with AMX, `GemvLinear`): the kernel streams at the memory's
+#   speed up to 32 rows (a 32-request decode step: 559.6 tok/s against 478.8 with the limit
+#   at 8, in-process, the cpu_peers workload);
+# - bfloat16 weights under float32 arithmetic (dtype="auto" without AVX512-BF16/AMX): the
+#   kernel reads half the bytes of oneDNN's float32 copy: a decode step's linears (the
+#   default model, 2 threads, AVX-512 and AVX2 builds) took 12-14 / 24-32 / 36-50 / 45-62 ms
+#   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
+#   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs);
+# - int8 without VNNI (layers/linear.py int8_gemv_rows).
 GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS_WIDENED = 32
 FUSED_MAX_TOKENS = 8
-FUSED_MAX_TOKENS_AMX = 32
+FUSED_MAX_TOKENS_WIDE = 32
 
 
 def compiled_ops() -> Ops:
@@ -96,8 +104,9 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         if c_kernels:
             amx_rows = cpu_ops.gemv_amx_rows() if dtype == torch.bfloat16 else 0
             stream = weight_dtype if weight_dtype not in (None, dtype) else None
-            linear = GemvLinear(cpu_ops.gemv, linear, GEMV_MAX_ROWS, cpu_ops.pack_amx, amx_rows,
-                                stream)
+            linear = GemvLinear(cpu_ops.gemv, linear,
+                                GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
+                                cpu_ops.pack_amx, amx_rows, stream)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
