@@ -189,12 +189,57 @@ DEFINE_DOT_TILE(dot_tile_f32, float, VLOAD_F32)
  * per 2 VL floats the even ones, then the odd ones) up to K rounded down to 2 VL, the tail
  * in order; every row of x sums in the same order whatever mr is. */
 #define SPLIT (2 * VL)
+#if VL == 8
+/* AVX2, several rows of x: 16 vector registers hold 4 x 4 accumulators and nothing else, so
+ * the tile's rows of W go two at a time (8 accumulators), each step's even weights first and
+ * its odd ones after, in the same registers. Same sums in the same order as the loop below.
+ * A decode step's linears (the default model, 2 threads, as an AVX2 CPU), 2 paired runs:
+ * 16 rows 34.1 / 31.6 ms against 35.2 / 36.2 with all four rows at once; 32 rows 66.3 /
+ * 58.4 against 63.9 / 67.8. */
+static inline __attribute__((always_inline)) void
+dot_pair_bf16(const uint16_t *w, int64_t K, int64_t nr, const float *xf, int64_t mr,
+              float acc[ROWS][XROWS], int r0) {
+    vf a[2][XROWS];
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < XROWS; m++) a[r][m] = VZERO();
+    const int64_t kv = K - K % SPLIT;
+    for (int64_t k = 0; k < kv; k += SPLIT) {
+        vf wv[2];
+        for (int r = 0; r < 2; r++) {
+            if (r < nr) PREFETCH(w, r, k, K);
+            wv[r] = r < nr ? VEVEN_BF16(VLOAD_WORDS(w + r * K + k)) : VZERO();
+        }
+        for (int m = 0; m < XROWS; m++) {
+            if (m >= mr) break;
+            const vf xe = VLOAD_F32(xf + m * K + k);
+            for (int r = 0; r < 2; r++) a[r][m] = VFMA(wv[r], xe, a[r][m]);
+        }
+        for (int r = 0; r < 2; r++)
+            wv[r] = r < nr ? VODD_BF16(VLOAD_WORDS(w + r * K + k)) : VZERO();
+        for (int m = 0; m < XROWS; m++) {
+            if (m >= mr) break;
+            const vf xo = VLOAD_F32(xf + m * K + k + VL);
+            for (int r = 0; r < 2; r++) a[r][m] = VFMA(wv[r], xo, a[r][m]);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < XROWS; m++) acc[r0 + r][m] = VSUM(a[r][m]);
+}
+#endif
+
 static inline void dot_tile_bf16(const uint16_t *w, int64_t K, int64_t nr, const float *xf,
                                  int64_t mr, float acc[ROWS][XROWS]) {
+    const int64_t kv = K - K % SPLIT;
+#if VL == 8
+    if (mr > 1) {
+        dot_pair_bf16(w, K, nr < 2 ? nr : 2, xf, mr, acc, 0);
+        dot_pair_bf16(w + 2 * K, K, nr > 2 ? nr - 2 : 0, xf, mr, acc, 2);
+        goto tail;
+    }
+#endif
     vf a[ROWS][XROWS];
     for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < XROWS; m++) a[r][m] = VZERO();
-    const int64_t kv = K - K % SPLIT;
     for (int64_t k = 0; k < kv; k += SPLIT) {
         vf we[ROWS], wo[ROWS];
         for (int r = 0; r < ROWS; r++) {
@@ -215,6 +260,9 @@ static inline void dot_tile_bf16(const uint16_t *w, int64_t K, int64_t nr, const
     }
     for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < XROWS; m++) acc[r][m] = VSUM(a[r][m]);
+#if VL == 8
+tail:
+#endif
     for (int64_t k = kv; k < K; k++)
         for (int r = 0; r < nr; r++)
             for (int m = 0; m < mr; m++)
