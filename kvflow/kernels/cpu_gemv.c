@@ -284,13 +284,13 @@ static inline int64_t split_x(int64_t k, int64_t K) { (void)K; return k; }
  * Widening every int8 weight to float32 (sign extension, conversion, FMA: three vector ops per
  * VL weights) made the int8 loop the slowest of the three: in L2, one thread, 15.7 GB/s of
  * int8 against 35 of bf16 (benchmarks/cpu_kernels.py --gemv), so it could not keep up with the
- * memory. Here x is rounded once per row to integers of at most XQ_MAX (x ~ xq * xscale[m],
+ * memory. Here x is rounded once per row to integers of at most xq_max(K) (x ~ xq * xscale[m],
  * symmetric; 15 bits and under, a relative error of at most 2^-15 of the row's largest value,
  * about 1/100 of what rounding the weights to int8 costs) and each step sign-extends 2 VL
  * weights to 16 bits and multiplies them in pairs with x into 32-bit sums: one vpdpwssd
  * (AVX512-VNNI / AVX-VNNI), else vpmaddwd + vpaddd. The sums are exact integers, so the
- * result is the same on every ISA and for any number of rows; XQ_MAX shrinks with K so that
- * no 32-bit lane can overflow (xq_max). */
+ * result is the same on every ISA and for any number of rows; xq_max shrinks with K so that
+ * no 32-bit lane can overflow. */
 #define XQ_LIMIT 16383
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define IL 32                                        /* int16 lanes a step */
@@ -602,9 +602,10 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
     /* x as contiguous rows: float32, bf16 for vdpbf16ps, or integers for int8 weights. */
     const int ints = wtype == T_I8;
-    void *xs = malloc((size_t)(M * K) * (pairs || ints ? 2 : 4) + (size_t)M * sizeof(float));
+    const size_t xbytes = ((size_t)(M * K) * (pairs || ints ? 2 : 4) + 63) & ~(size_t)63;
+    void *xs = malloc(xbytes + (size_t)M * sizeof(float));
     if (xs == NULL) return 1;
-    float *xscale = (float *)((char *)xs + (size_t)(M * K) * (pairs || ints ? 2 : 4));
+    float *xscale = (float *)((char *)xs + xbytes);                 /* int8: x's scale per row */
     for (int64_t m = 0; m < M; m++) {
         float *row = (float *)xs + m * K;
         float peak = 0.0f;
