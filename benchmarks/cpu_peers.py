@@ -205,7 +205,7 @@ def run_kvflow_offline(name: str, args: argparse.Namespace, prompts: list[list[i
 
 
 async def _all_at_once(url: str, prompts: list[list[int]], outputs: list[int]) -> float:
-    async with httpx.AsyncClient(timeout=3600) as client:
+    async with httpx.AsyncClient(timeout=3600, limits=serve_bench.NO_KEEPALIVE) as client:
         await client.post(f"{url}/completion", json={"prompt": [1, 2, 3], "n_predict": 4})
 
         async def one(prompt: list[int], n: int) -> int:
@@ -301,7 +301,8 @@ def tpot_one_at_a_time(engine: str, args: argparse.Namespace, prompts: list[list
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
 
     async def go(url: str) -> list[Any]:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
+                                     limits=serve_bench.NO_KEEPALIVE) as client:
             await serve_bench.send(client, url, "default", serve_bench.Request([1, 2, 3], 8))
             return [await serve_bench.send(client, url, "default", r) for r in reqs]
 

@@ -161,12 +161,14 @@ def summarize(engine: str, mode: str, results: list[Result], duration: float) ->
     return row
 
 
+# A new connection per request: llama-server (cpp-httplib) closes a kept-alive connection
+# after 5 requests, and a request sent on it just then fails with RemoteProtocolError.
+NO_KEEPALIVE = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+
+
 async def bench(engine: str, url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    # A new connection per request: llama-server (cpp-httplib) closes a kept-alive connection
-    # after 5 requests, and a request sent on it just then fails with RemoteProtocolError.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0),
-                                 limits=limits) as client:
+                                 limits=NO_KEEPALIVE) as client:
         models = (await client.get(f"{url}/v1/models")).json().get("data") or [{}]
         model = models[0].get("id", "default")
         warm = await send(client, url, model, Request(list(range(1000, 1016)), 8))
