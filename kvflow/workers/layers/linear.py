@@ -194,7 +194,7 @@ def int8_gemv_rows(flags: frozenset[str], rows: int) -> int:
     from 16 rows on; 32 where it has neither. Measured (all of a decode step's linears, 2
     threads): as an AVX2 CPU, with the kernel before its integer sums, 0.37x oneDNN's W7A8
     GEMM's time at 8 rows, 0.56x at 16, 0.89x at 32 and 1.4x at 64; with the integer sums and
-    VNNI, against oneDNN's W8A8: 0.6x at 4 rows, 0.75x at 8, 1.05x at 16, 1.35-1.65x at 32
+    VNNI, against oneDNN's W8A8: 0.6x at 4 rows, 0.75x at 8, 1.05-1.13x at 16, 1.35-1.65x at 32
     (decode steps of up to 8 tokens run fused on the gemv kernel anyway)."""
     return rows if gemm_weight_levels(flags) == 127 else max(rows, 32)
 
