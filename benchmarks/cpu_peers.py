@@ -14,6 +14,11 @@ of its floor.
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
   (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type)
   over this machine's read bandwidth (a sum over 1 GiB, more than any cache here).
+  Where the time goes: kvflow's engines also run the same requests in-process ("alone":
+  `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
+  and for every server the CPU time each of its processes, and the client, spent per output
+  token, with their context switches: on a machine with few cores, the server's and the
+  client's work between tokens is taken from the threads that compute them.
 
 Engines (--only, comma-separated; default all):
   kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
@@ -46,6 +51,7 @@ import time
 from typing import Any, Iterator
 
 import httpx
+import psutil
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,23 +301,98 @@ def running(engine: str, args: argparse.Namespace) -> Iterator[str]:
         os.environ.update(environ)
 
 
+def role(proc: psutil.Process) -> str:
+    """A server process's part, for the CPU-per-token lines."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        name = proc.name()
+    except psutil.Error:
+        return "gone"
+    for needle, label in (("kvflow.core.engine_proc", "EngineCore"),
+                          ("kvflow.workers.worker_proc", "worker"), ("launch.py", "frontend"),
+                          ("llama-server", "llama-server"), ("api_server", "frontend")):
+        if needle in cmd:
+            return label
+    return name
+
+
+def cpu_use(procs: list[psutil.Process]) -> dict[str, tuple[float, int]]:
+    """Each role's CPU seconds (user + system) and context switches so far; "client" is this
+    process (the benchmark's HTTP client)."""
+    use: dict[str, tuple[float, int]] = {}
+    for proc in [psutil.Process(), *procs]:
+        try:
+            t = proc.cpu_times()
+            count = thread_switches(proc)
+        except psutil.Error:
+            continue
+        key = "client" if proc.pid == os.getpid() else role(proc)
+        seconds, switches = use.get(key, (0.0, 0))
+        use[key] = (seconds + t.user + t.system, switches + count)
+    return use
+
+
+def thread_switches(proc: psutil.Process) -> int:
+    """Context switches of all the process's threads (psutil counts its main thread's)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+    except OSError:
+        c = proc.num_ctx_switches()
+        return c.voluntary + c.involuntary
+    for task in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/task/{task}/status") as f:
+            total += sum(int(line.split()[1]) for line in f
+                         if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
+    return total
+
+
 def tpot_one_at_a_time(engine: str, args: argparse.Namespace, prompts: list[list[int]],
-                       outputs: list[int]) -> float:
-    """Median TPOT (ms) of requests sent one at a time through the engine's server."""
+                       outputs: list[int]) -> dict[str, Any]:
+    """Median TPOT (ms) of requests sent one at a time through the engine's server, and what
+    each process spent per output token meanwhile (CPU ms, context switches)."""
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
 
-    async def go(url: str) -> list[Any]:
+    async def go(url: str, procs: list[psutil.Process]) -> tuple[list[Any], dict[str, Any]]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
                                      limits=serve_bench.NO_KEEPALIVE) as client:
             await serve_bench.send(client, url, "default", serve_bench.Request([1, 2, 3], 8))
-            return [await serve_bench.send(client, url, "default", r) for r in reqs]
+            before = cpu_use(procs)
+            results = [await serve_bench.send(client, url, "default", r) for r in reqs]
+            after = cpu_use(procs)
+        tokens = max(1, sum(r.n_out for r in results))
+        use = {k: ((after[k][0] - before[k][0]) * 1e3 / tokens,
+                   (after[k][1] - before[k][1]) / tokens) for k in after if k in before}
+        return results, use
 
     with running(engine, args) as url:
-        results = asyncio.run(go(url))
+        results, use = asyncio.run(go(url, psutil.Process().children(recursive=True)))
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"{engine}: {len(bad)} failed requests: {bad[0]}")
     tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in results if r.n_out > 1]
+    return {"tpot_ms": 1e3 * serve_bench.pct(tpot, 50),
+            "cpu_ms_per_token": {k: round(v[0], 3) for k, v in use.items()},
+            "switches_per_token": {k: round(v[1], 2) for k, v in use.items()}}
+
+
+def tpot_alone(engine: str, args: argparse.Namespace, prompts: list[list[int]],
+               outputs: list[int]) -> float:
+    """Median TPOT (ms) of the same requests in-process (kvflow's engine without its server):
+    per request, (time for n tokens - time for 1) / (n - 1), no prefix cache."""
+    from kvflow import LLM, SamplingParams
+    with LLM(args.model, in_process=True, enable_prefix_caching=False,
+             **KVFLOW[engine]) as llm:                                # type: ignore[arg-type]
+        def timed(prompt: list[int], n: int) -> float:
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert len(out.token_ids) == n
+            return time.perf_counter() - start
+
+        timed([1, 2, 3], 8)                                            # warm-up
+        tpot = [(timed(p, n) - timed(p, 1)) / (n - 1) for p, n in zip(prompts, outputs)
+                if n > 1]
     return 1e3 * serve_bench.pct(tpot, 50)
 
 
@@ -420,7 +501,9 @@ def main() -> None:
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
         if "single" not in args.skip:
             try:
-                row["tpot_ms"] = tpot_one_at_a_time(name, args, *singles)
+                row.update(tpot_one_at_a_time(name, args, *singles))
+                if name in KVFLOW:
+                    row["alone_ms"] = tpot_alone(name, args, *singles)
                 kind = weight_kind(name, auto_kind)
                 floor_ms = params * WEIGHT_BYTES[kind] / (bandwidth * 1e9) * 1e3
                 row["read_share"] = floor_ms / row["tpot_ms"]
@@ -437,11 +520,18 @@ def main() -> None:
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
     fmt = lambda v, f: format("-", f">{f.split('.')[0]}s") if v is None else format(v, f)  # noqa: E731
     print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'of roofline':>12s}"
-          f"{'c=1 TPOT ms':>13s}{'read floor':>11s}{'of floor':>9s}")
+          f"{'c=1 TPOT ms':>13s}{'read floor':>11s}{'of floor':>9s}{'alone ms':>10s}")
     for name, r in rows.items():
         print(f"{name:24s}{fmt(r.get('tok_s'), '11.1f')}{fmt(r.get('compute_share'), '11.0%')}"
               f"{fmt(r.get('roofline_share'), '12.0%')}{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
-              f"{fmt(r.get('read_share'), '9.0%')}")
+              f"{fmt(r.get('read_share'), '9.0%')}{fmt(r.get('alone_ms'), '10.1f')}")
+    print("\nc=1, per output token: CPU ms (context switches) of each server process and the "
+          "client")
+    for name, r in rows.items():
+        if "cpu_ms_per_token" in r:
+            print(f"{name:24s}" + ", ".join(
+                f"{k} {v:.2f} ({r['switches_per_token'][k]:.1f})"
+                for k, v in sorted(r["cpu_ms_per_token"].items(), key=lambda kv: -kv[1])))
     for name, r in rows.items():
         for part in ("offline_error", "single_error"):
             if part in r:
