@@ -141,6 +141,14 @@ async def run_all(s: ServeProcess, on_first_tokens: Any = None) -> list[Any]:
     return list(results)
 
 
+def idle_cpu(pid: int, seconds: float = 1.0) -> float:
+    """CPU seconds the process used in `seconds` of wall time."""
+    p = psutil.Process(pid)
+    before = sum(p.cpu_times()[:2])
+    time.sleep(seconds)
+    return sum(p.cpu_times()[:2]) - before
+
+
 def engine_side(s: ServeProcess) -> list[psutil.Process]:
     return [p for p in s.tree() if p.pid != s.pid]
 
@@ -151,6 +159,8 @@ def test_killed_engine_restarts_and_every_request_completes(default_model: str, 
     s = start(default_model)
     servers.append(s)
     reference = asyncio.run(run_all(s))
+    used = idle_cpu(s.pid)              # its reader waits on the engine's fds, never spins
+    assert used < 0.2, f"the idle frontend used {used:.2f} s of CPU in 1 s"
     old = engine_side(s)
     target = s.workers()[0] if victim == "worker" else s.engine_core()
     killed: list[float] = []
@@ -165,6 +175,10 @@ def test_killed_engine_restarts_and_every_request_completes(default_model: str, 
     assert metric(s, "kvflow:requests_resumed_total") >= 8
     assert not wait_exited(old, 10), "a process of the old engine is left"
     assert httpx.get(s.url + "/health").status_code == 200
+    # The frontend now watches the new engine's fds only: the old pidfd (readable for good)
+    # or a stale output fd would wake its reader in a loop.
+    used = idle_cpu(s.pid)
+    assert used < 0.2, f"the idle frontend used {used:.2f} s of CPU in 1 s after the restart"
     print(f"\n[restart] {victim} SIGKILL: every request completed "
           f"({time.monotonic() - killed[0]:.1f} s after the kill)")
 

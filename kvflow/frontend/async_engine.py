@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import zmq
-import zmq.asyncio
 
 from kvflow.errors import EngineDeadError, EngineOverloadedError
 from kvflow.frontend.supervisor import SupervisedEngine
@@ -204,26 +203,54 @@ class AsyncEngine:
     # --- the reader task -----------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        generation, poller = -1, zmq.asyncio.Poller()
-        while self.dead is None:
-            if generation != self.engine.generation:    # restarted: other sockets to watch
-                generation, poller = self.engine.generation, zmq.asyncio.Poller()
-                # Plain sockets: pyzmq wraps them per poll and drops its loop callbacks after,
-                # so a socket closed by a restart leaves nothing registered on its fd.
-                for item in self.engine.pollables():
-                    poller.register(item, zmq.POLLIN)
-            # A hung engine wakes nobody: look at least every second (the supervisor's
-            # watchdog runs in drain()).
-            await poller.poll(1000)
-            try:
-                for out in self.engine.drain():
-                    self._apply(out)
-            except EngineDeadError as e:
-                self.fail_all(str(e))
-            except Exception as e:          # a bug here must not leave every consumer hanging
-                logger.exception("the frontend's output reader failed")
-                self.fail_all(f"the frontend's output reader failed: {e!r}")
-                self.engine.shutdown()
+        """Wake on the engine's fds (its output socket's ZMQ_FD, its pidfd, the supervisor's
+        wake pipe), watched by the loop for as long as that engine lives: one set of readers
+        per engine, not one per poll (a zmq.asyncio poll wraps and registers every socket
+        again, ~0.2 ms of this process's CPU a token at concurrency 1). ZMQ_FD only signals
+        changes, so the output socket is drained to EAGAIN before every wait. A restart
+        swaps the readers right after the drain() that retired the engine, before the loop
+        runs any other callback: no transport of this loop can be handed an fd number the old
+        engine closed while that number is still watched here."""
+        loop = asyncio.get_running_loop()
+        generation, watched = -1, list[int]()
+        waiter: asyncio.Future[None] | None = None
+
+        def wake() -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        try:
+            while self.dead is None:
+                if generation != self.engine.generation:    # restarted: other fds to watch
+                    for fd in watched:
+                        loop.remove_reader(fd)
+                    generation = self.engine.generation
+                    watched = [int(item.getsockopt(zmq.FD)) if isinstance(item, zmq.Socket)
+                               else item for item in self.engine.pollables()]
+                    for fd in watched:
+                        loop.add_reader(fd, wake)
+                try:
+                    for out in self.engine.drain():
+                        self._apply(out)
+                except EngineDeadError as e:
+                    self.fail_all(str(e))
+                    break
+                except Exception as e:      # a bug here must not leave every consumer hanging
+                    logger.exception("the frontend's output reader failed")
+                    self.fail_all(f"the frontend's output reader failed: {e!r}")
+                    self.engine.shutdown()
+                    break
+                if generation != self.engine.generation:
+                    continue
+                # A hung engine wakes nobody: look at least every second (the supervisor's
+                # watchdog runs in drain()).
+                waiter = loop.create_future()
+                timer = loop.call_later(1.0, wake)
+                await waiter
+                timer.cancel()
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
 
     def _apply(self, outputs: EngineOutputs) -> None:
         self.stats = outputs.stats

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import select
 import shutil
 import tempfile
 import threading
@@ -78,6 +79,8 @@ class MultiprocEngine:
         self.proc = Child("kvflow.core.engine_proc", "EngineCore", config, [
             "--input-address", input_address, "--output-address", output_address,
             "--log-level", str(logging.getLogger().level)])
+        self._exited = select.poll()            # EngineCore's pidfd: readable once it exits
+        self._exited.register(self.proc.sentinel, select.POLLIN)
         self.dead: str | None = None
         self.dead_request_ids: list[str] = []   # the requests of the step it died in
         self._reaper: threading.Thread | None = None     # stopping it once it died
@@ -162,10 +165,23 @@ class MultiprocEngine:
 
     def drain(self) -> list[EngineOutputs]:
         """Every EngineOutputs waiting now, without blocking; EngineDeadError if it died."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         found = []
-        while (msg := self._recv(0)) is not None:
+        while True:
+            try:
+                frames = self.output.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self.output.decode(frames[-1])
+            self.last_heard = time.monotonic()
+            if isinstance(msg, ChildFailed):
+                self._die(f"{msg.who} failed: {msg.error}", msg.request_ids)
             if isinstance(msg, EngineOutputs):
                 found.append(msg)
+        if self._exited.poll(0):
+            self._die(f"EngineCore (pid {self.proc.pid}) died with exit code "
+                      f"{self.proc.exitcode}")
         return found
 
     def utility(self, call: UtilityCall, timeout: float = 30.0) -> dict[str, float]:

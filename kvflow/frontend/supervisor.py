@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import psutil
+import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.errors import EngineDeadError
@@ -169,7 +170,7 @@ class SupervisedEngine:
                 return EngineOutputs(tracked.outputs + [d for o in self._take_replies()
                                                         for d in o.outputs], tracked.stats)
 
-    def pollables(self) -> list[object]:
+    def pollables(self) -> list[zmq.Socket | int]:
         """What a reader polls: the engine's output socket and pidfd, and the wake pipe."""
         if self.engine is None:
             return [self._wake_r]
