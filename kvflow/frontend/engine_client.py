@@ -168,9 +168,10 @@ class MultiprocEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         found = []
-        while True:
+        sock = self.output.sock
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:    # cheaper than a zmq.Again each
             try:
-                frames = self.output.sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             msg = self.output.decode(frames[-1])
