@@ -109,6 +109,13 @@ def kill_processes(procs: Iterable[psutil.Process], timeout: float = 10.0) -> No
     wait_exited(procs, timeout)
 
 
+def cpu_seconds(p: psutil.Process, interval: float) -> float:
+    """CPU time `p` used during `interval` seconds (a busy loop uses about all of it)."""
+    before = sum(p.cpu_times()[:2])
+    time.sleep(interval)
+    return sum(p.cpu_times()[:2]) - before
+
+
 def zombie_children(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
     """Exited children that a live parent among `procs` has not reaped."""
     zombies = []

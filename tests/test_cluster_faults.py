@@ -35,9 +35,9 @@ import pytest
 import zmq
 
 from cluster_helpers import (ENGINE_MODULE, REPO, TAG_VAR, WORKER_MODULE, ServeProcess,
-                             arg_value, exited, failing_worker_env, is_module, kill_processes, new_tag,
-                             send_signal_to_group, tagged_processes, wait_exited,
-                             zombie_children)
+                             arg_value, cpu_seconds, exited, failing_worker_env, is_module,
+                             kill_processes, new_tag, send_signal_to_group, tagged_processes,
+                             wait_exited, zombie_children)
 from kvflow import LLM, AsyncClient, Client, EngineDeadError, SamplingParams
 from kvflow.ipc.messages import (Abort, ClientAbort, ClientOutput, ClientRequest,
                                  ClientStatsRequest, EngineRequest, Ping, Pong, StepResult,
@@ -161,13 +161,6 @@ def assert_all_dead(results: list[tuple[Any, float]], count: int, since: float,
     latency = max(t for _, t in results) - since
     assert latency < DEATH_BOUND, latency
     return latency
-
-
-def cpu_seconds(p: psutil.Process, interval: float) -> float:
-    """CPU time `p` used during `interval` seconds (a busy loop uses about all of it)."""
-    before = sum(p.cpu_times()[:2])
-    time.sleep(interval)
-    return sum(p.cpu_times()[:2]) - before
 
 
 # --- 1, 2: a worker or EngineCore killed ---------------------------------------------------

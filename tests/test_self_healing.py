@@ -18,7 +18,8 @@ import openai
 import psutil
 import pytest
 
-from cluster_helpers import ServeProcess, serve_ready, tagged_processes, wait_exited
+from cluster_helpers import (ServeProcess, cpu_seconds, serve_ready, tagged_processes,
+                             wait_exited)
 from kvflow import LLM, AsyncClient, SamplingParams
 
 POISON = 4242                  # a token id whose presence in a batch kills the worker (hook)
@@ -141,14 +142,6 @@ async def run_all(s: ServeProcess, on_first_tokens: Any = None) -> list[Any]:
     return list(results)
 
 
-def idle_cpu(pid: int, seconds: float = 1.0) -> float:
-    """CPU seconds the process used in `seconds` of wall time."""
-    p = psutil.Process(pid)
-    before = sum(p.cpu_times()[:2])
-    time.sleep(seconds)
-    return sum(p.cpu_times()[:2]) - before
-
-
 def engine_side(s: ServeProcess) -> list[psutil.Process]:
     return [p for p in s.tree() if p.pid != s.pid]
 
@@ -159,7 +152,7 @@ def test_killed_engine_restarts_and_every_request_completes(default_model: str, 
     s = start(default_model)
     servers.append(s)
     reference = asyncio.run(run_all(s))
-    used = idle_cpu(s.pid)              # its reader waits on the engine's fds, never spins
+    used = cpu_seconds(psutil.Process(s.pid), 1.0)   # the reader waits on fds, never spins
     assert used < 0.2, f"the idle frontend used {used:.2f} s of CPU in 1 s"
     old = engine_side(s)
     target = s.workers()[0] if victim == "worker" else s.engine_core()
@@ -177,7 +170,7 @@ def test_killed_engine_restarts_and_every_request_completes(default_model: str, 
     assert httpx.get(s.url + "/health").status_code == 200
     # The frontend now watches the new engine's fds only: the old pidfd (readable for good)
     # or a stale output fd would wake its reader in a loop.
-    used = idle_cpu(s.pid)
+    used = cpu_seconds(psutil.Process(s.pid), 1.0)
     assert used < 0.2, f"the idle frontend used {used:.2f} s of CPU in 1 s after the restart"
     print(f"\n[restart] {victim} SIGKILL: every request completed "
           f"({time.monotonic() - killed[0]:.1f} s after the kill)")

@@ -207,10 +207,10 @@ class AsyncEngine:
         wake pipe), watched by the loop for as long as that engine lives: one set of readers
         per engine, not one per poll (a zmq.asyncio poll wraps and registers every socket
         again, ~0.2 ms of this process's CPU a token at concurrency 1). ZMQ_FD only signals
-        changes, so the output socket is drained to EAGAIN before every wait. A restart
-        swaps the readers right after the drain() that retired the engine, before the loop
-        runs any other callback: no transport of this loop can be handed an fd number the old
-        engine closed while that number is still watched here."""
+        changes, so drain() empties the output socket (until ZMQ_EVENTS has no POLLIN) before
+        every wait. A restart swaps the readers right after the drain() that retired the
+        engine, before the loop runs any other callback: no transport of this loop can be
+        handed an fd number the old engine closed while that number is still watched here."""
         loop = asyncio.get_running_loop()
         generation, watched = -1, list[int]()
         waiter: asyncio.Future[None] | None = None
