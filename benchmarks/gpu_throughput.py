@@ -133,15 +133,19 @@ def decode_step_figures(llm) -> list[dict]:  # type: ignore[no-untyped-def]
     """One decode step (forward + LM head) at a few batch sizes and contexts, replayed from its
     CUDA graph; the report sets it against reading every weight once at copy bandwidth."""
     import numpy as np
+
+    from kvflow.workers.attention import SeqSpan
     worker = llm.engine.worker
     runner, model, bs = worker.runner, worker.model, worker.config.cache.block_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     rows = []
     for batch, ctx in ((1, 512), (32, 512), (128, 1024), (256, 1024)):
         per_seq = -(-ctx // bs)
-        if runner.graphs is None or batch * per_seq > worker.num_blocks:
+        if (runner.graphs is None or batch > runner.graphs.max_batch
+                or batch * per_seq > worker.num_blocks):
             continue
-        decodes = [(i, 1, ctx, np.arange(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        decodes = [SeqSpan(i, 1, ctx, np.arange(i * per_seq, (i + 1) * per_seq))
+                   for i in range(batch)]
         slots = np.asarray([d[3][(ctx - 1) // bs] * bs + (ctx - 1) % bs for d in decodes])
         graph_batch = runner.graphs.load(np.zeros(batch, dtype=np.int64),
                                          np.full(batch, ctx - 1), slots, decodes)
@@ -218,7 +222,9 @@ def run_part(part: str, model_dir: str, args: argparse.Namespace) -> dict:
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"part {part!r} failed with exit code {done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    line = done.stdout.strip().splitlines()[-1]
+    print(f"    {part}: {line}", flush=True)     # kept even if a later part runs out of time
+    return json.loads(line)
 
 
 def report(results: dict) -> None:
