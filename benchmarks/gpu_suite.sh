@@ -8,12 +8,14 @@
 #
 # On the lent GPU machine a command may run 10 minutes: run `tests` and `bench` as two calls.
 # Needs torch with CUDA, triton, transformers, tokenizers, safetensors, jinja2, numpy, tqdm,
-# psutil, pytest, plus pyzmq and msgspec (flash-attn optional: its backend is then tested too).
-# The lent GPU image (torch 2.11 + CUDA 13, Triton 3.6, transformers, Python 3.12, no network)
-# lacks only pyzmq and msgspec: download their wheels where pip works, into a git-ignored folder,
+# psutil, pytest, plus pyzmq, msgspec and llguidance (flash-attn optional: its backend is then
+# tested too). The lent GPU image (torch 2.11 + CUDA 13, Triton 3.6, transformers, Python 3.12,
+# no network) lacks only those three: download their wheels where pip works, into a git-ignored
+# folder (llguidance's wheel is manylinux_2_31),
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#         --platform manylinux2014_x86_64 -d .whl pyzmq msgspec
+#         --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+#         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#         pyzmq msgspec llguidance
 # and point WHEELS at that folder there (`WHEELS=.whl bash benchmarks/gpu_suite.sh`): they are
 # installed into /tmp/kvflow-site first. The random test and benchmark models need tokenizer
 # files: KVFLOW_TOKENIZER_DIR (a folder with tokenizer.json), else the default model's cached
