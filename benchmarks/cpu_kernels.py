@@ -90,7 +90,7 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             tiles = "-"                      # bf16 in the AMX layout, where the CPU has it
             if dtype == torch.bfloat16 and cpu_ops.pack_amx(weight) is not None:
                 packed = [cpu_ops.pack_amx(c) for c in copies]
-                t = timed(lambda: [cpu_ops.gemv(x, p, amx=True) for p in packed], 3)
+                t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
                 tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
             theirs = "-"

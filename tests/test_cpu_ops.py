@@ -443,14 +443,14 @@ def test_gemv_amx_layout_matches_torch(kernels: str, m: int, n: int, k: int) -> 
     assert packed is not None and packed.shape == w.shape and not torch.equal(packed, w)
     ref = x.double() @ w.double().T + bias.double()
     scale = float(ref.abs().max())
-    got = cpu_ops.gemv(x, packed, None, bias, amx=True)
+    got = cpu_ops.gemv(x, packed, None, bias, layout="amx")
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
-    wide = cpu_ops.gemv(x, packed, None, bias, out_dtype=torch.float32, amx=True)
+    wide = cpu_ops.gemv(x, packed, None, bias, out_dtype=torch.float32, layout="amx")
     torch.testing.assert_close(wide.double(), ref, atol=1e-5 * scale, rtol=1e-5)
-    assert torch.equal(cpu_ops.gemv(x[:1], packed, None, bias, amx=True), got[:1])
-    with pytest.raises(RuntimeError, match="AMX path cannot run"):
-        cpu_ops.gemv(x.float(), packed, amx=True)        # the tile path takes bf16 x only
+    assert torch.equal(cpu_ops.gemv(x[:1], packed, None, bias, layout="amx"), got[:1])
+    with pytest.raises(RuntimeError, match="amx layout.s path cannot run"):
+        cpu_ops.gemv(x.float(), packed, layout="amx")        # the tile path takes bf16 x only
 
 
 def test_gemv_linear_holds_amx_tiles_where_it_can() -> None:
@@ -464,13 +464,64 @@ def test_gemv_linear_holds_amx_tiles_where_it_can() -> None:
         w = torch.randn(n, k).bfloat16()
         prepared = method.prepare(w)
         tiled = rows > 0 and n % 16 == 0 and OneDnnLinear.works(torch.bfloat16)
-        assert prepared.amx == tiled
-        assert gemv_operands(prepared).amx == tiled
+        assert (prepared.layout == "amx") == tiled
+        assert (gemv_operands(prepared).layout == "amx") == tiled
         for m in (1, 5, 32, 40):
             x = torch.randn(m, k).bfloat16()
             ref = x.double() @ w.double().T
             torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
                                        atol=4e-3 * float(ref.abs().max()), rtol=8e-3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 31), (32, 1)])
+def test_gemv_panel_layout_matches_torch(kernels: str, m: int, n: int, k: int) -> None:
+    """bfloat16 weights in panels (pack_panels) under float32 x, on every build: row counts
+    that split into uneven blocks (7, 13, 33, 70), K not a multiple of anything, the bias, an
+    input scale, bfloat16 x and output, against float64 torch; a row's result does not depend
+    on the batch. Output counts that are not a multiple of the panel stay unpacked."""
+    x = torch.randn(m, 2 * k)[:, ::2]
+    w, bias, in_scale = torch.randn(n, k).bfloat16(), torch.randn(n), torch.rand(k) + 0.5
+    packed = cpu_ops.pack_panels(w)
+    assert packed is not None and packed.shape == w.shape
+    assert cpu_ops.pack_panels(w[: n - 8]) is None and cpu_ops.pack_panels(w.float()) is None
+    ref = (x.double() * in_scale.double()) @ w.double().T + bias.double()
+    scale = float(ref.abs().max())
+    got = cpu_ops.gemv(x, packed, None, bias, in_scale=in_scale, layout="panels")
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
+    assert torch.equal(cpu_ops.gemv(x[:1], packed, None, bias, in_scale=in_scale,
+                                    layout="panels"), got[:1])
+    xb = x.bfloat16()
+    half = cpu_ops.gemv(xb, packed, None, bias, layout="panels")
+    ref = xb.double() @ w.double().T + bias.double()
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
+
+
+def test_gemv_linear_streams_bfloat16_panels_under_float32(kernels: str) -> None:
+    """GemvLinear under float32 weights with a bfloat16 stream and pack_panels (dtype="auto"
+    without bfloat16 arithmetic): a weight whose outputs fill whole panels is held in panels
+    beside oneDNN's float32 copy, others row-major; every row count (panels up to their
+    limit, the row-major kernel up to max_rows, oneDNN above) gives the product of the
+    bfloat16-valued weight."""
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
+    inner = OneDnnLinear() if OneDnnLinear.works(torch.float32) else LinearMethod()
+    method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
+                        64)
+    for n, k in [(96, 64), (40, 64)]:                   # 40 outputs: not a whole panel
+        w = torch.randn(n, k).bfloat16().float()        # bfloat16 values, as loaded
+        prepared = method.prepare(w)
+        paneled = n % 32 == 0 and prepared.packed is not None
+        assert (prepared.layout == "panels") == paneled
+        assert gemv_operands(prepared).layout == prepared.layout
+        assert method.gemv_rows(prepared) == (64 if paneled else 32)
+        for m in (1, 7, 33, 64, 65):
+            x = torch.randn(m, k)
+            ref = x.double() @ w.double().T
+            torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
+                                       atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
 
 
 def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:

@@ -164,6 +164,8 @@ def _load(path: Path) -> ctypes.CDLL:
                                 i64]
     lib.gemv.restype, lib.gemv.argtypes = ctypes.c_int, gemv_argtypes
     lib.gemv_amx_rows.restype, lib.gemv_amx_rows.argtypes = ctypes.c_int, []
+    lib.gemv_panel_width.restype, lib.gemv_panel_width.argtypes = ctypes.c_int, []
+    lib.pack_panels.restype, lib.pack_panels.argtypes = None, [ptr, i64, i64, ptr]
     lib.attention_work_items.restype = i64
     lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     return lib
@@ -261,16 +263,18 @@ GEMV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 KV_BF16 = (torch.float32, torch.bfloat16)
 
 
-GEMV_AMX = 3           # cpu_gemv.c's T_BF16_AMX: bfloat16 in the tile unit's layout (pack_amx)
+# cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
+# bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels).
+GEMV_LAYOUTS = {"amx": 3, "panels": 4}
 
 
-def gemv_type(weight: torch.Tensor, amx: bool = False) -> int:
-    """cpu_gemv.c's code for a weight: its dtype's, or GEMV_AMX for one packed by pack_amx."""
-    return GEMV_AMX if amx else GEMV_TYPES[weight.dtype]
+def gemv_type(weight: torch.Tensor, layout: str = "rows") -> int:
+    """cpu_gemv.c's code for a weight: its dtype's when row-major ("rows"), else its layout's."""
+    return GEMV_TYPES[weight.dtype] if layout == "rows" else GEMV_LAYOUTS[layout]
 
 
 def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 weight [N, K] in the layout cpu_gemv.c's AMX path reads (`gemv(..., amx=True)`),
+    """A bfloat16 weight [N, K] in the layout cpu_gemv.c's AMX path reads (`gemv(..., layout="amx")`),
     or None where that path cannot take it (no AMX here, not bfloat16, N % 16 or K % 32 not
     0). Per 16 outputs and 32 inputs, one 1 KB tile: [input pair][output][2]. Shape [N, K]
     kept, so the same checks and sizes hold."""
@@ -281,14 +285,30 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
     return tiles.contiguous().view(n, k)
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [N, K] in the panels cpu_gemv.c multiplies under float32 arithmetic
+    (`gemv(..., layout="panels")`, faster than row-major from about 8 rows of x), or None
+    where it cannot (no vector path in this build, not bfloat16, N not a multiple of the
+    panel width: 16 outputs on AVX2, 32 on AVX-512). Shape [N, K] kept."""
+    lib = library()
+    width = 0 if lib is None else int(lib.gemv_panel_width())
+    n, k = weight.shape
+    if width == 0 or weight.dtype != torch.bfloat16 or n % width:
+        return None
+    weight = weight.contiguous()
+    out = torch.empty_like(weight)
+    lib.pack_panels(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-         in_scale: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
+         in_scale: torch.Tensor | None = None, layout: str = "rows") -> torch.Tensor:
     """(x * in_scale) W^T (+ bias) for a few rows of x, streaming W once (cpu_gemv.c):
     x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
-    `scales` [N] float32: W ~ int8 * scale per row), or with amx=True bfloat16 packed by
-    `pack_amx` (x bfloat16); in_scale [K] float32 or None; bias [N] float32 or None.
-    Out: [..., N] in out_dtype (x's)."""
+    `scales` [N] float32: W ~ int8 * scale per row), or bfloat16 packed by `pack_amx`
+    (layout="amx", x bfloat16) or by `pack_panels` (layout="panels"); in_scale [K] float32
+    or None; bias [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
     n = weight.shape[0]
@@ -305,12 +325,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     assert lib is not None, build_error()
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     code = lib.gemv(rows.data_ptr(), GEMV_TYPES[x.dtype], stride, rows.shape[0],
-                    weight.data_ptr(), gemv_type(weight, amx), ptr(scales), ptr(in_scale),
+                    weight.data_ptr(), gemv_type(weight, layout), ptr(scales), ptr(in_scale),
                     ptr(bias), n, k, out.data_ptr(), GEMV_TYPES[out_dtype], n)
     if code == 1:
         raise MemoryError("gemv could not allocate its scratch memory")
     if code:
-        raise RuntimeError("gemv: the AMX path cannot run these operands here")
+        raise RuntimeError(f"gemv: the {layout} layout's path cannot run these operands here")
     return out.view(x.shape[:-1] + (n,))
 
 

@@ -124,7 +124,7 @@ class FusedDecode:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         weight = operands.weight
         return _Linear(weight.data_ptr(), ptr(operands.scales), ptr(operands.in_scale),
-                       ptr(bias), cpu_ops.gemv_type(weight, operands.amx), weight.shape[0],
+                       ptr(bias), cpu_ops.gemv_type(weight, operands.layout), weight.shape[0],
                        weight.shape[1])
 
     def _layer(self, layer: LlamaDecoderLayer) -> _Layer:

@@ -61,10 +61,12 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 #   kernel reads half the bytes of oneDNN's float32 copy: a decode step's linears (the
 #   default model, 2 threads, AVX-512 and AVX2 builds) took 12-14 / 24-32 / 36-50 / 45-62 ms
 #   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
-#   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs);
+#   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs); with the bfloat16 copy in the
+#   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to GEMV_MAX_ROWS_PANELS;
 # - int8 without VNNI (layers/linear.py int8_gemv_rows).
 GEMV_MAX_ROWS = 4
 GEMV_MAX_ROWS_WIDENED = 32
+GEMV_MAX_ROWS_PANELS = 64
 FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
 
@@ -106,7 +108,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             stream = weight_dtype if weight_dtype not in (None, dtype) else None
             linear = GemvLinear(cpu_ops.gemv, linear,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
-                                cpu_ops.pack_amx, amx_rows, stream)
+                                cpu_ops.pack_amx, amx_rows, stream,
+                                cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
