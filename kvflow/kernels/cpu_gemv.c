@@ -598,14 +598,15 @@ DEFINE_PANEL_BLOCK(4)
 DEFINE_PANEL_BLOCK(5)
 DEFINE_PANEL_BLOCK(6)
 
-/* R rows of x times NP consecutive panels into out[NP][R][PANEL]: at one or two rows a
- * linear is a pure stream of its weights, and NP streams in flight kept the memory busier
- * than one (the row-major kernel streams four rows of W side by side for the same reason).
- * Each output is summed in the same order as in panel_block_R, so that a row's result does
- * not depend on how many rows came with it. */
+/* R rows of x times NP consecutive panels into out[NP][M][PANEL] (rows 0..R-1 of it, out
+ * and x at the block's first row): at one to four rows a linear is mostly a stream of its
+ * weights, and NP streams in flight kept the memory busier than one (the row-major kernel
+ * streams four rows of W side by side for the same reason). Each output is summed in the
+ * same order as in panel_block_R, so that a row's result does not depend on how many rows
+ * came with it. */
 #define DEFINE_PANEL_GROUP(R, NP)                                                             \
 static inline __attribute__((always_inline)) void                                            \
-panel_group_##R(const uint16_t *p, int64_t K, const float *x, float *out) {                   \
+panel_group_##R##_##NP(const uint16_t *p, int64_t K, const float *x, float *out, int64_t M) { \
     vf acc[NP][R][2];                                                                         \
     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
         _Pragma("GCC unroll 2") for (int i = 0; i < R; i++) acc[j][i][0] = acc[j][i][1] = VZERO(); \
@@ -625,11 +626,12 @@ panel_group_##R(const uint16_t *p, int64_t K, const float *x, float *out) {     
     }                                                                                         \
     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
         _Pragma("GCC unroll 2") for (int i = 0; i < R; i++) {                                 \
-            VSTORE_F32(out + (j * R + i) * PANEL, acc[j][i][0]);                              \
-            VSTORE_F32(out + (j * R + i) * PANEL + VL, acc[j][i][1]);                         \
+            VSTORE_F32(out + (j * M + i) * PANEL, acc[j][i][0]);                              \
+            VSTORE_F32(out + (j * M + i) * PANEL + VL, acc[j][i][1]);                         \
         }                                                                                     \
 }
 DEFINE_PANEL_GROUP(1, 4)
+DEFINE_PANEL_GROUP(1, 2)
 DEFINE_PANEL_GROUP(2, 2)
 
 /* x (M float32 rows of K) times one panel into out[M][PANEL]: blocks of at most MR rows,
@@ -788,13 +790,13 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         int failed = 0;
         #pragma omp parallel if (N * K * esize > 65536)
         {
-            float *acc = malloc((size_t)(M < 4 ? 4 : M) * PANEL * sizeof(float));
+            float *acc = malloc((size_t)(M <= 4 ? 8 : M) * PANEL * sizeof(float));
             if (acc == NULL) {
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One or two rows: groups of 4 or 2 panels (the last ones alone); else one. */
-            const int64_t group = M == 1 ? 4 : M == 2 ? 2 : 1;
+            /* One row: groups of 4 panels; two to four: 2 (the last ones alone); else 1. */
+            const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
             const int64_t units = num_panels / group + num_panels % group;
             #pragma omp for schedule(static)
             for (int64_t unit = 0; unit < units; unit++) {
@@ -803,9 +805,14 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 const int64_t p0 = unit < whole ? unit * group : whole * group + (unit - whole);
                 const int64_t np = unit < whole ? group : 1;
                 const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
-                if (np == 4) panel_group_1(wp, K, (const float *)xs, acc);
-                else if (np == 2) panel_group_2(wp, K, (const float *)xs, acc);
-                else panel_rows(wp, K, (const float *)xs, M, acc);
+                const float *xf = (const float *)xs;
+                if (np == 4) panel_group_1_4(wp, K, xf, acc, M);
+                else if (np == 2)                  /* rows in pairs, the odd one alone */
+                    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                        if (M - m0 >= 2) panel_group_2_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M);
+                        else panel_group_1_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M);
+                    }
+                else panel_rows(wp, K, xf, M, acc);
                 for (int64_t q = 0; q < np; q++)               /* acc: [np][M][PANEL] */
                     for (int64_t m = 0; m < M; m++)
                         for (int64_t j = 0; j < PANEL; j++) {

@@ -293,7 +293,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     width = 0 if lib is None else int(lib.gemv_panel_width())
     n, k = weight.shape
-    if width == 0 or weight.dtype != torch.bfloat16 or n % width:
+    if lib is None or width == 0 or weight.dtype != torch.bfloat16 or n % width:
         return None
     weight = weight.contiguous()
     out = torch.empty_like(weight)
