@@ -559,10 +559,16 @@ static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t
  * first; that first pass streams it from memory with a prefetch PANEL_PREFETCH bytes ahead.
  * Measured (standalone, the default model's four decode-step linears x 30 layers, AVX2, 2
  * threads): 6.9 / 8.2 / 13.0 / 21 / 38 / 71 ms at 1 / 4 / 8 / 16 / 32 / 64 rows, against the
- * row-major kernel's 12 / 14 / 22 / 36 / 62 (through Python) and oneDNN's float32 103 at 64. */
+ * row-major kernel's 12 / 14 / 22 / 36 / 62 (through Python) and oneDNN's float32 103 at 64.
+ * AVX-512 has 32 registers: blocks of 12 rows there (32 rows: 59-64 ms against 69-80 with
+ * blocks of 6, same runs). */
 #ifdef VL
 #define PANEL (2 * VL)
+#if VL == 16
+#define MR 12                 /* rows of x a block: 2 MR accumulators (24 of AVX-512's 32) */
+#else
 #define MR 6                  /* rows of x a block: 2 MR accumulators (12 of AVX2's 16) */
+#endif
 #ifndef PANEL_PREFETCH
 #define PANEL_PREFETCH 4096   /* bytes ahead of the load, in the block's first pass */
 #endif
@@ -574,19 +580,19 @@ static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t
 static inline __attribute__((always_inline)) void                                            \
 panel_block_##R(const uint16_t *p, int64_t K, const float *x, float *out) {                   \
     vf acc[R][2];                                                                             \
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = VZERO();     \
+    _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = VZERO();     \
     for (int64_t k = 0; k < K; k++) {                                                         \
         if (((k * PANEL * 2) & 63) == 0)                                                      \
             _mm_prefetch((const char *)(p + k * PANEL) + PANEL_PREFETCH, PANEL_HINT);         \
         const vword u = VLOAD_WORDS(p + k * PANEL);                                           \
         const vf lo = VEVEN_BF16(u), hi = VODD_BF16(u);                                       \
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                 \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                 \
             const vf b = VBROADCAST(x + i * K + k);                                           \
             acc[i][0] = VFMA(lo, b, acc[i][0]);                                               \
             acc[i][1] = VFMA(hi, b, acc[i][1]);                                               \
         }                                                                                     \
     }                                                                                         \
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                     \
+    _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                     \
         VSTORE_F32(out + i * PANEL, acc[i][0]);                                               \
         VSTORE_F32(out + i * PANEL + VL, acc[i][1]);                                          \
     }                                                                                         \
@@ -597,6 +603,14 @@ DEFINE_PANEL_BLOCK(3)
 DEFINE_PANEL_BLOCK(4)
 DEFINE_PANEL_BLOCK(5)
 DEFINE_PANEL_BLOCK(6)
+#if MR > 6
+DEFINE_PANEL_BLOCK(7)
+DEFINE_PANEL_BLOCK(8)
+DEFINE_PANEL_BLOCK(9)
+DEFINE_PANEL_BLOCK(10)
+DEFINE_PANEL_BLOCK(11)
+DEFINE_PANEL_BLOCK(12)
+#endif
 
 /* R rows of x times NP consecutive panels into out[NP][M][PANEL] (rows 0..R-1 of it, out
  * and x at the block's first row): at one to four rows a linear is mostly a stream of its
@@ -649,7 +663,17 @@ static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, 
             case 3: panel_block_3(p, K, xb, ob); break;
             case 4: panel_block_4(p, K, xb, ob); break;
             case 5: panel_block_5(p, K, xb, ob); break;
+#if MR > 6
+            case 6: panel_block_6(p, K, xb, ob); break;
+            case 7: panel_block_7(p, K, xb, ob); break;
+            case 8: panel_block_8(p, K, xb, ob); break;
+            case 9: panel_block_9(p, K, xb, ob); break;
+            case 10: panel_block_10(p, K, xb, ob); break;
+            case 11: panel_block_11(p, K, xb, ob); break;
+            default: panel_block_12(p, K, xb, ob); break;
+#else
             default: panel_block_6(p, K, xb, ob); break;
+#endif
         }
         m0 += r;
     }
