@@ -56,7 +56,6 @@ typedef __m512 vf;
 #define VSUM(v) _mm512_reduce_add_ps(v)
 #define VLOAD_F32(p) _mm512_loadu_ps(p)
 #define VBROADCAST(p) _mm512_set1_ps(*(p))
-#define VADD(a, b) _mm512_add_ps(a, b)
 #define VSTORE_F32(p, v) _mm512_storeu_ps(p, v)
 typedef __m512i vword;
 #define VLOAD_WORDS(p) _mm512_loadu_si512((const void *)(p))
@@ -76,7 +75,6 @@ static inline float vsum256(__m256 v) {
 #define VSUM(v) vsum256(v)
 #define VLOAD_F32(p) _mm256_loadu_ps(p)
 #define VBROADCAST(p) _mm256_broadcast_ss(p)
-#define VADD(a, b) _mm256_add_ps(a, b)
 #define VSTORE_F32(p, v) _mm256_storeu_ps(p, v)
 typedef __m256i vword;
 #define VLOAD_WORDS(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -543,7 +541,6 @@ static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t
 }
 #endif
 
-/* Up to how many rows of x bf16 products run on the tile unit here (0: none). */
 /* --- bfloat16 weights in panels, float32 arithmetic (T_BF16_PANELS) ---------------------
  *
  * Row-major W suits a few rows of x: each weight row is dotted with each x row, and the
@@ -569,69 +566,28 @@ static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t
 #else
 #define MR 6                  /* rows of x a block: 2 MR accumulators (12 of AVX2's 16) */
 #endif
-#ifndef PANEL_PREFETCH
-#define PANEL_PREFETCH 4096   /* bytes ahead of the load, in the block's first pass */
-#endif
-#ifndef PANEL_HINT
-#define PANEL_HINT _MM_HINT_T0
-#endif
-
-#define DEFINE_PANEL_BLOCK(R)                                                                 \
-static inline __attribute__((always_inline)) void                                            \
-panel_block_##R(const uint16_t *p, int64_t K, const float *x, float *out) {                   \
-    vf acc[R][2];                                                                             \
-    _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = VZERO();     \
-    for (int64_t k = 0; k < K; k++) {                                                         \
-        if (((k * PANEL * 2) & 63) == 0)                                                      \
-            _mm_prefetch((const char *)(p + k * PANEL) + PANEL_PREFETCH, PANEL_HINT);         \
-        const vword u = VLOAD_WORDS(p + k * PANEL);                                           \
-        const vf lo = VEVEN_BF16(u), hi = VODD_BF16(u);                                       \
-        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                 \
-            const vf b = VBROADCAST(x + i * K + k);                                           \
-            acc[i][0] = VFMA(lo, b, acc[i][0]);                                               \
-            acc[i][1] = VFMA(hi, b, acc[i][1]);                                               \
-        }                                                                                     \
-    }                                                                                         \
-    _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                     \
-        VSTORE_F32(out + i * PANEL, acc[i][0]);                                               \
-        VSTORE_F32(out + i * PANEL + VL, acc[i][1]);                                          \
-    }                                                                                         \
-}
-DEFINE_PANEL_BLOCK(1)
-DEFINE_PANEL_BLOCK(2)
-DEFINE_PANEL_BLOCK(3)
-DEFINE_PANEL_BLOCK(4)
-DEFINE_PANEL_BLOCK(5)
-DEFINE_PANEL_BLOCK(6)
-#if MR > 6
-DEFINE_PANEL_BLOCK(7)
-DEFINE_PANEL_BLOCK(8)
-DEFINE_PANEL_BLOCK(9)
-DEFINE_PANEL_BLOCK(10)
-DEFINE_PANEL_BLOCK(11)
-DEFINE_PANEL_BLOCK(12)
-#endif
+#define PANEL_PREFETCH 4096   /* bytes ahead of the load (T0; 1, 2 and 8 KB or T1: no better) */
 
 /* R rows of x times NP consecutive panels into out[NP][M][PANEL] (rows 0..R-1 of it, out
- * and x at the block's first row): at one to four rows a linear is mostly a stream of its
- * weights, and NP streams in flight kept the memory busier than one (the row-major kernel
- * streams four rows of W side by side for the same reason). Each output is summed in the
- * same order as in panel_block_R, so that a row's result does not depend on how many rows
- * came with it. */
+ * and x at the block's first row), 2 R NP accumulators. NP = 1 is the general block; at one
+ * to four rows a linear is mostly a stream of its weights, and NP = 4 or 2 streams in flight
+ * kept the memory busier than one (the row-major kernel streams four rows of W side by side
+ * for the same reason). Every output sums its inputs in order, whatever R and NP, so that a
+ * row's result does not depend on how many rows came with it. */
 #define DEFINE_PANEL_GROUP(R, NP)                                                             \
 static inline __attribute__((always_inline)) void                                            \
 panel_group_##R##_##NP(const uint16_t *p, int64_t K, const float *x, float *out, int64_t M) { \
     vf acc[NP][R][2];                                                                         \
     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
-        _Pragma("GCC unroll 2") for (int i = 0; i < R; i++) acc[j][i][0] = acc[j][i][1] = VZERO(); \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) acc[j][i][0] = acc[j][i][1] = VZERO(); \
     for (int64_t k = 0; k < K; k++) {                                                         \
         _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                                \
             const uint16_t *pj = p + (j * K + k) * PANEL;                                     \
             if (((k * PANEL * 2) & 63) == 0)                                                  \
-                _mm_prefetch((const char *)pj + PANEL_PREFETCH, PANEL_HINT);                  \
+                _mm_prefetch((const char *)pj + PANEL_PREFETCH, _MM_HINT_T0);                  \
             const vword u = VLOAD_WORDS(pj);                                                  \
             const vf lo = VEVEN_BF16(u), hi = VODD_BF16(u);                                   \
-            _Pragma("GCC unroll 2") for (int i = 0; i < R; i++) {                             \
+            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                            \
                 const vf b = VBROADCAST(x + i * K + k);                                       \
                 acc[j][i][0] = VFMA(lo, b, acc[j][i][0]);                                     \
                 acc[j][i][1] = VFMA(hi, b, acc[j][i][1]);                                     \
@@ -639,7 +595,7 @@ panel_group_##R##_##NP(const uint16_t *p, int64_t K, const float *x, float *out,
         }                                                                                     \
     }                                                                                         \
     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
-        _Pragma("GCC unroll 2") for (int i = 0; i < R; i++) {                                 \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                \
             VSTORE_F32(out + (j * M + i) * PANEL, acc[j][i][0]);                              \
             VSTORE_F32(out + (j * M + i) * PANEL + VL, acc[j][i][1]);                         \
         }                                                                                     \
@@ -647,6 +603,20 @@ panel_group_##R##_##NP(const uint16_t *p, int64_t K, const float *x, float *out,
 DEFINE_PANEL_GROUP(1, 4)
 DEFINE_PANEL_GROUP(1, 2)
 DEFINE_PANEL_GROUP(2, 2)
+DEFINE_PANEL_GROUP(1, 1)
+DEFINE_PANEL_GROUP(2, 1)
+DEFINE_PANEL_GROUP(3, 1)
+DEFINE_PANEL_GROUP(4, 1)
+DEFINE_PANEL_GROUP(5, 1)
+DEFINE_PANEL_GROUP(6, 1)
+#if MR > 6
+DEFINE_PANEL_GROUP(7, 1)
+DEFINE_PANEL_GROUP(8, 1)
+DEFINE_PANEL_GROUP(9, 1)
+DEFINE_PANEL_GROUP(10, 1)
+DEFINE_PANEL_GROUP(11, 1)
+DEFINE_PANEL_GROUP(12, 1)
+#endif
 
 /* x (M float32 rows of K) times one panel into out[M][PANEL]: blocks of at most MR rows,
  * as even as they come (32 rows: 6 6 5 5 5 5, not five 6s and a 2). */
@@ -658,21 +628,21 @@ static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, 
         const float *xb = x + m0 * K;
         float *ob = out + m0 * PANEL;
         switch (r) {
-            case 1: panel_block_1(p, K, xb, ob); break;
-            case 2: panel_block_2(p, K, xb, ob); break;
-            case 3: panel_block_3(p, K, xb, ob); break;
-            case 4: panel_block_4(p, K, xb, ob); break;
-            case 5: panel_block_5(p, K, xb, ob); break;
+            case 1: panel_group_1_1(p, K, xb, ob, M); break;
+            case 2: panel_group_2_1(p, K, xb, ob, M); break;
+            case 3: panel_group_3_1(p, K, xb, ob, M); break;
+            case 4: panel_group_4_1(p, K, xb, ob, M); break;
+            case 5: panel_group_5_1(p, K, xb, ob, M); break;
 #if MR > 6
-            case 6: panel_block_6(p, K, xb, ob); break;
-            case 7: panel_block_7(p, K, xb, ob); break;
-            case 8: panel_block_8(p, K, xb, ob); break;
-            case 9: panel_block_9(p, K, xb, ob); break;
-            case 10: panel_block_10(p, K, xb, ob); break;
-            case 11: panel_block_11(p, K, xb, ob); break;
-            default: panel_block_12(p, K, xb, ob); break;
+            case 6: panel_group_6_1(p, K, xb, ob, M); break;
+            case 7: panel_group_7_1(p, K, xb, ob, M); break;
+            case 8: panel_group_8_1(p, K, xb, ob, M); break;
+            case 9: panel_group_9_1(p, K, xb, ob, M); break;
+            case 10: panel_group_10_1(p, K, xb, ob, M); break;
+            case 11: panel_group_11_1(p, K, xb, ob, M); break;
+            default: panel_group_12_1(p, K, xb, ob, M); break;
 #else
-            default: panel_block_6(p, K, xb, ob); break;
+            default: panel_group_6_1(p, K, xb, ob, M); break;
 #endif
         }
         m0 += r;
@@ -706,6 +676,7 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
 #endif
 }
 
+/* Up to how many rows of x bf16 products run on the tile unit here (0: none). */
 int gemv_amx_rows(void) {
 #ifdef KVFLOW_AMX
     return amx_usable() ? AMX_MAX_ROWS : 0;
