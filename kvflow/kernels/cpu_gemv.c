@@ -792,11 +792,10 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
             }
             /* One row: groups of 4 panels; two to four: 2 (the last ones alone); else 1. */
             const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
-            const int64_t units = num_panels / group + num_panels % group;
+            const int64_t whole = num_panels / group, units = whole + num_panels % group;
             #pragma omp for schedule(static)
             for (int64_t unit = 0; unit < units; unit++) {
                 if (acc == NULL) continue;
-                const int64_t whole = num_panels / group;
                 const int64_t p0 = unit < whole ? unit * group : whole * group + (unit - whole);
                 const int64_t np = unit < whole ? group : 1;
                 const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;

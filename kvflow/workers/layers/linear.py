@@ -166,7 +166,7 @@ def smoothed(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Te
 
 class GemvOperands(NamedTuple):
     """What the gemv kernel reads of a prepared weight: (x * in_scale) W^T * scales."""
-    weight: torch.Tensor                 # [out, in] row-major (model dtype, or int8)
+    weight: torch.Tensor                 # [out, in] in `layout` (model dtype, or int8)
     scales: torch.Tensor | None          # int8: float32 per output row
     in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
     layout: str = "rows"                 # row-major, or GemvWeight.layout's other layouts
