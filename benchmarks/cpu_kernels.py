@@ -22,7 +22,8 @@ its baseline in the same run:
   with GFLOP/s (4 x heads x head_dim x n(n+1)/2 per prompt);
 - the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
 
-    python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32] [--isa avx2]
+    python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32]
+        [--kv-dtype bfloat16] [--isa avx2]
 """
 from __future__ import annotations
 
@@ -113,14 +114,15 @@ def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tens
     tiles), and the torch backend (one SDPA call per request)."""
     cpu = backends["cpu"]
     block_size, heads, head_dim = cpu.block_size, 9, 64
-    kernel_only = CpuBackend(block_size, cpu.kv_shape[0], head_dim, cpu.dtype, cpu.device)
+    kernel_only = CpuBackend(block_size, cpu.kv_shape[0], head_dim, cpu.dtype, cpu.device,
+                             cpu.kv_dtype)
     kernel_only.sdpa_min_rows = 0
     num_blocks = cache[0].shape[1] // block_size
     spans = spans_for(lengths, lengths, block_size, num_blocks, "runs", rng)
     scale = head_dim ** -0.5
     q = torch.randn(sum(lengths), heads, head_dim).to(cpu.dtype)
     slots = np.zeros(sum(lengths), dtype=np.int64)
-    k, v = cache
+    as_torch = [t.to(cpu.dtype) for t in cache]         # the torch backend's: its dtype's
     runs = {"cpu": (cpu, cpu.build_metadata(slots, [], spans)),
             "tiles": (kernel_only, kernel_only.build_metadata(slots, [], spans)),
             "torch": (backends["torch"], backends["torch"].build_metadata(slots, [], spans))}
@@ -131,7 +133,8 @@ def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tens
     assert all(rows == 1 for _, rows in cpu_ops.attention_work_items(
         runs["rows"][1].table_rows, runs["rows"][1].context_lens, runs["rows"][1].q_rows,
         head_dim))
-    result = {name: timed(lambda: backend.attend(q, k, v, meta, scale), args.repeats)
+    result = {name: timed(lambda: backend.attend(q, *(as_torch if name == "torch" else cache),
+                                                 meta, scale), args.repeats)
               for name, (backend, meta) in runs.items()}
     flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
     what = (f"{len(lengths)} prompts of 32..256 ({sum(lengths)} tokens)" if len(lengths) > 1
@@ -155,6 +158,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float32"],
+                        help="the KV cache's dtype (default: --dtype's); float32 arithmetic "
+                             "with a bfloat16 cache is what dtype='auto' runs on CPUs "
+                             "without AVX512-BF16")
     parser.add_argument("--isa", default="native", choices=list(cpu_ops.ISA_FLAGS),
                         help="build the kernels for this CPU less AVX512-BF16 (avx512) or "
                              "less AVX-512 (avx2): the code other CPUs run")
@@ -172,26 +179,32 @@ def main() -> None:
     rng = np.random.default_rng(0)
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64          # SmolLM2-135M
     dtype, scale = getattr(torch, args.dtype), head_dim ** -0.5
-    backends = {"cpu": CpuBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu")),
-                "torch": TorchBackend(block_size, kv_heads, head_dim, dtype, torch.device("cpu"))}
+    kv_dtype = getattr(torch, args.kv_dtype or args.dtype)
+    cpu = torch.device("cpu")
+    backends = {"cpu": CpuBackend(block_size, kv_heads, head_dim, dtype, cpu, kv_dtype),
+                "torch": TorchBackend(block_size, kv_heads, head_dim, dtype, cpu)}
 
     contexts = rng.integers(args.context // 2, args.context * 3 // 2, args.batch).tolist()
     num_blocks = sum(-(-c // block_size) for c in contexts) * 5 // 4
-    caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(dtype) for _ in range(2)]
-              for _ in range(args.layers)]          # a cache per layer: more than the L3 holds
-    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * dtype.itemsize * args.layers
+    caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(kv_dtype)
+               for _ in range(2)] for _ in range(args.layers)]  # a cache per layer
+    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * kv_dtype.itemsize * args.layers
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     slots = np.zeros(args.batch, dtype=np.int64)
     print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "
-          f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), {args.dtype}, "
+          f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), {args.dtype} "
+          f"({kv_dtype} cache), "
           f"kernels built for {args.isa}, {args.threads} threads")
     for placement in ("runs", "scattered"):
         spans = spans_for(contexts, [1] * args.batch, block_size, num_blocks, placement, rng)
         result = {}
         for name, backend in backends.items():
             meta = backend.build_metadata(slots, spans, [])
+            layers = caches if name == "cpu" or kv_dtype == dtype else [
+                [t.to(dtype) for t in pair] for pair in caches]   # torch: its dtype's cache
             result[name] = timed(lambda: [backend.attend(q, k, v, meta, scale)
-                                          for k, v in caches], args.repeats)
+                                          for k, v in layers], args.repeats)
+            del layers
         print(f"  blocks {placement:9s}: cpu {1e3 * result['cpu']:7.1f} ms "
               f"({kv_bytes / result['cpu'] / 1e9:4.1f} GB/s), torch "
               f"{1e3 * result['torch']:7.1f} ms: {result['torch'] / result['cpu']:.1f}x")

@@ -5,8 +5,9 @@
  * read straight from the paged cache. The torch path gathers every request's blocks into
  * scratch tensors and runs small bmm/SDPA calls; on CPU those copies and calls cost more than
  * the math. This kernel reads each K/V row where it lies, and keeps scores, softmax and sums
- * in float32. Decode rows go one by one; a prompt's rows (a run of consecutive rows of one
- * request) go in flash-style tiles ("Prefill tiles" below).
+ * in float32. A decode row goes alone, its keys a vector at a time ("Decode rows" below); a
+ * prompt's rows (a run of consecutive rows of one request) go in flash-style tiles ("Prefill
+ * tiles").
  *
  * Cache layout (the torch backend's, head-major): [num_kv_heads, num_slots, head_dim] with
  * slot = block_id * block_size + offset. Work is split over (query row or tile, KV head) pairs
@@ -84,7 +85,8 @@ static inline void prefetch_key(const void *head, const int32_t *table, int64_t 
     }
 }
 
-/* One (query row, KV head) pair: `group` query heads against `ctx` keys.
+/* One (query row, KV head) pair: `group` query heads against `ctx` keys, a key at a time (head
+ * sizes that are not a multiple of 32; others go by DEFINE_ROW_TASK, below).
  * qf: [group, D] float32 scaled queries; scores: [group, ctx] scratch; returns acc [group, D]. */
 #define DEFINE_TASK(NAME, T, LOAD)                                                            \
 static inline __attribute__((always_inline)) void NAME(                                       \
@@ -137,141 +139,6 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                     \
     }                                                                                         \
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* --- AVX-512 BF16 path (bf16 cache, head_dim a multiple of 32) ------------------------------
- * Scores: vdpbf16ps multiplies bf16 pairs exactly and sums them in float32, so q and K stay in
- * bf16 and no K row is converted. Sixteen keys are scored at a time and their sixteen partial
- * vectors summed by one transpose tree, not a horizontal reduction per key. Softmax in float32;
- * the weighted sum of V rows in float32 with the accumulators in registers. */
-#include <immintrin.h>
-#define KVFLOW_AVX512_BF16 1
-
-/* r[j] = sum of the lanes of v[j], for 16 vectors. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)      /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {    /* per 128-bit lane: that lane's sums of 4 vectors */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)      /* add 128-bit lanes pairwise */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
-/* Walks a request's keys in order: the row of key t lies at table[t / bs] * bs + t % bs. */
-typedef struct { const int32_t *table; int64_t bs, blk, off, D; } KeyWalk;
-
-static inline int64_t next_row(KeyWalk *w) {     /* element offset of the next key's row */
-    const int64_t row = ((int64_t)w->table[w->blk] * w->bs + w->off) * w->D;
-    if (++w->off == w->bs) { w->off = 0; w->blk++; }
-    return row;
-}
-
-/* acc[g] += p[g][t] * V[t] over all keys, for G query heads and C*16 columns from dc on. */
-static inline __attribute__((always_inline)) void weighted_v(
-        const uint16_t *v_head, const int32_t *table, int64_t ctx, int64_t bs, int64_t D,
-        const float *scores, int64_t ctx16, const float *inv_sum, int64_t dc,
-        uint16_t *out, const int G, const int C) {
-    __m512 acc[4][4];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
-    KeyWalk w = {table, bs, 0, 0, D};
-    for (int64_t t = 0; t < ctx; t++) {
-        if (dc == 0) prefetch_key(v_head, table, t + PREFETCH_KEYS, ctx, bs, 2 * D);
-        const uint16_t *row = v_head + next_row(&w) + dc;
-        __m512 v[4];
-        for (int c = 0; c < C; c++) v[c] = load_bf16x16(row + 16 * c);
-        for (int g = 0; g < G; g++) {
-            const __m512 p = _mm512_set1_ps(scores[g * ctx16 + t]);
-            for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int c = 0; c < C; c++) {
-            const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
-            _mm256_storeu_si256((__m256i *)(out + g * D + dc + 16 * c), (__m256i)o);
-        }
-    }
-}
-
-/* One (query row, KV head) pair. q, out: [group, D] bf16; scores: [group, ctx16] scratch. */
-static void row_task_avx512(const uint16_t *q, const uint16_t *k_head,
-                               const uint16_t *v_head, const int32_t *table, int64_t ctx,
-                               int64_t bs, int64_t group, int64_t D, float scale,
-                               float *scores, uint16_t *out) {
-    const int64_t ctx16 = (ctx + 15) & ~(int64_t)15, nc = D / 32;
-    __m512 vmax[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) vmax[g] = _mm512_set1_ps(-FLT_MAX);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    KeyWalk w = {table, bs, 0, 0, D};
-    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-        const int64_t n = ctx - t0 < 16 ? ctx - t0 : 16;
-        const uint16_t *rows[16];
-        for (int64_t j = 0; j < n; j++) {
-            prefetch_key(k_head, table, t0 + j + PREFETCH_KEYS, ctx, bs, 2 * D);
-            rows[j] = k_head + next_row(&w);
-        }
-        for (int64_t j = n; j < 16; j++) rows[j] = rows[n - 1];  /* padding, masked below */
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        for (int64_t g = 0; g < group; g++) {
-            __m512bh qv[8];
-            for (int64_t c = 0; c < nc; c++)
-                qv[c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
-            __m512 part[16];
-            for (int j = 0; j < 16; j++) {
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t c = 0; c < nc; c++)
-                    a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
-                part[j] = a;
-            }
-            __m512 s = _mm512_mul_ps(sum16(part), vscale);
-            s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), s);
-            _mm512_storeu_ps(scores + g * ctx16 + t0, s);
-            vmax[g] = _mm512_max_ps(vmax[g], s);
-        }
-    }
-    float inv_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * ctx16, sum = 0.0f;
-        const float m = _mm512_reduce_max_ps(vmax[g]);
-        _Pragma("omp simd reduction(+:sum)")
-        for (int64_t j = 0; j < ctx; j++) { sg[j] = expf(sg[j] - m); sum += sg[j]; }
-        inv_sum[g] = 1.0f / sum;
-    }
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t gn = group - g0 < 4 ? group - g0 : 4;
-        for (int64_t dc = 0; dc < D; dc += 64) {
-            const float *sc = scores + g0 * ctx16;
-            uint16_t *o = out + g0 * D;
-            const int wide = D - dc >= 64;
-#define WEIGHTED_V(G) (wide ? weighted_v(v_head, table, ctx, bs, D, sc, ctx16, inv_sum + g0,     \
-                                         dc, o, G, 4)                                           \
-                            : weighted_v(v_head, table, ctx, bs, D, sc, ctx16, inv_sum + g0,     \
-                                         dc, o, G, 2))
-            switch (gn) {
-                case 1: WEIGHTED_V(1); break;
-                case 2: WEIGHTED_V(2); break;
-                case 3: WEIGHTED_V(3); break;
-                default: WEIGHTED_V(4); break;
-            }
-#undef WEIGHTED_V
-        }
-    }
-}
-#endif
 
 /* --- Prefill tiles (flash-style), every ISA ----------------------------------------------
  * A prefill of n tokens is n query rows of one request whose contexts grow by one. Attended
@@ -479,6 +346,204 @@ DEFINE_TILE_TASK(tile_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, b
 DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32, float, f32_to_f32)
 DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t, bf16_to_f32)
 
+/* --- Decode rows, every ISA ------------------------------------------------------------------
+ * One (query row, KV head) pair: `group` query heads against `ctx` keys, each key and value
+ * row read once where it lies. DEFINE_TASK scores a key at a time (a dot product and a
+ * horizontal sum per query head) and adds each weighted V row into sums in memory; the
+ * AVX512-BF16 path that bfloat16 caches had (vdpbf16ps, 16 keys at a time) kept a division
+ * per key in its prefetch. Here VL keys go at once: their rows widened to float32 once
+ * (kbuf), each query head's VL partial vectors summed by one transpose (sum_lanes), exp
+ * vectorised (vexp), P V summed into registers, blocks walked without a division, and the
+ * rows two blocks ahead fetched into L2. With the cache in L2 a (row, KV head) pair of
+ * SmolLM2's (3 heads of 64, 400 keys) went from 14 to 24.5 GB/s of K/V on AVX-512 and from
+ * 14 to 16.6 on AVX2 (one thread); over 30 layers' caches from memory, 32 rows
+ * (benchmarks/cpu_kernels.py, blocks in runs): AVX-512 without BF16 26 -> 22 ms a step,
+ * AVX512-BF16 bfloat16 25 -> 22, AVX2 about the same (23 -> 24.7). Scores, softmax and sums
+ * in float32 (bfloat16 queries are widened), in an order that does not depend on the batch.
+ * Needs tile_supported(D). */
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));   /* unaligned loads */
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+static inline vf loadv_bf16(const uint16_t *p) {
+#if VL == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    return (vf)(__builtin_convertvector(*(const vh *)p, vi) << 16);
+#endif
+}
+static inline vf loadv_f32(const float *p) { return (vf) * (const vfu *)p; }
+
+/* r[j] = the sum of v[j]'s lanes: a transpose tree, not a horizontal sum per vector. */
+static inline vf sum_lanes(const vf v[VL]) {
+#if VL == 16
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)      /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]),
+                             _mm512_unpackhi_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {    /* per 128-bit lane: that lane's sums of 4 vectors */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)      /* add 128-bit lanes pairwise */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                             _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+#elif defined(__AVX__)
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_ps((__m256)v[2 * i], (__m256)v[2 * i + 1]);
+    for (int i = 0; i < 2; i++) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                             _mm256_permute2f128_ps(b[0], b[1], 0x31));
+#else
+    vf r;
+    for (int j = 0; j < VL; j++) r[j] = hsum(v[j]);
+    return r;
+#endif
+}
+
+/* [p, p + bytes) into L2 (prefetcht1): the K/V rows two blocks ahead of the one being read.
+ * A request's blocks lie anywhere, and the hardware prefetcher alone kept too few reads in
+ * flight; T1 rather than prefetch_key's T0, which holds one of the core's few L1 fill buffers
+ * until its line arrives. */
+static inline void prefetch_ahead(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ volatile("prefetcht1 %0" : : "m"(*(p + o)));
+#else
+        __builtin_prefetch(p + o, 0, 2);
+#endif
+    }
+}
+
+/* Key row `off` of block `blk` + 2, if the context has it, by prefetch_ahead. */
+static inline void row_prefetch(const void *head, const int32_t *table, int64_t blk,
+                                int64_t off, int64_t ctx, int64_t bs, int64_t row_bytes) {
+    if ((blk + 2) * bs < ctx)
+        prefetch_ahead((const char *)head + ((int64_t)table[blk + 2] * bs + off) * row_bytes,
+                    row_bytes);
+}
+
+/* P V a pass: ROW_PASS_HEADS query heads x 4 column vectors of V, the sums in registers
+ * (AVX-512: 16 of 32; AVX2: 12 of 16), or 2 column vectors where head_dim is not a multiple
+ * of 4 VL. */
+#define ROW_HEADS 4
+#define ROW_COLS 4
+#define ROW_PASS_HEADS (VL == 16 ? 4 : 3)
+
+/* acc[g] = sum over t of p[g][t] V[t], for G heads (scores ctx16 apart) and C VL columns
+ * from c0 on. */
+#define DEFINE_ROW_V(NAME, TK, LOADV)                                                          \
+static inline __attribute__((always_inline)) void NAME(                                       \
+        const TK *v_head, const int32_t *table, int64_t ctx, int64_t bs, int64_t D,          \
+        const float *scores, int64_t ctx16, int64_t c0, int prefetch, float *acc, const int G,  \
+        const int C) {                                                                        \
+    vf a[ROW_HEADS][ROW_COLS];                                                                \
+    for (int g = 0; g < G; g++)                                                               \
+        for (int c = 0; c < C; c++) a[g][c] = (vf){0};                                        \
+    const int64_t row_bytes = D * (int64_t)sizeof(TK);                                        \
+    for (int64_t start = 0, blk = 0; start < ctx; start += bs, blk++) {                      \
+        const int64_t n = ctx - start < bs ? ctx - start : bs;                                \
+        const TK *row = v_head + (int64_t)table[blk] * bs * D + c0;                          \
+        const char *ahead = prefetch && (blk + 2) * bs < ctx                                  \
+            ? (const char *)(v_head + (int64_t)table[blk + 2] * bs * D) : NULL;               \
+        for (int64_t t = 0; t < n; t++, row += D) {                                           \
+            if (ahead) prefetch_ahead(ahead + t * row_bytes, row_bytes);                         \
+            vf v[ROW_COLS];                                                                   \
+            for (int c = 0; c < C; c++) v[c] = LOADV(row + c * VL);                           \
+            for (int g = 0; g < G; g++) {                                                     \
+                const float p = scores[g * ctx16 + start + t];                                \
+                for (int c = 0; c < C; c++) a[g][c] += p * v[c];                              \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int g = 0; g < G; g++)                                                               \
+        for (int c = 0; c < C; c++) *(vf *)(acc + g * D + c0 + c * VL) = a[g][c];             \
+}
+
+/* The task: DEFINE_TASK's arguments and results (qf, acc 64-byte aligned; scores [group,
+ * ctx16]), acc already divided by the softmax's sums. */
+#define DEFINE_ROW_TASK(NAME, TK, LOADV)                                                       \
+DEFINE_ROW_V(NAME##_v, TK, LOADV)                                                             \
+static inline __attribute__((always_inline)) void NAME##_d(                                   \
+        const float *qf, const TK *k_head, const TK *v_head, const int32_t *table, int64_t ctx, \
+        int64_t bs, int64_t group, const int64_t D, float *scores, float *acc) {             \
+    const int64_t ctx16 = (ctx + 15) & ~(int64_t)15, nv = D / VL;                             \
+    float kbuf[VL * 256] __attribute__((aligned(64)));       /* VL key rows, D <= 256 */     \
+    vf top[MAX_GROUP];                                                                        \
+    for (int64_t g = 0; g < group; g++) top[g] = (vf){0} + MASKED;                            \
+    for (int64_t t0 = 0, blk = 0, off = 0; t0 < ctx; t0 += VL) {                              \
+        const int64_t n = ctx - t0 < VL ? ctx - t0 : VL;                                      \
+        for (int64_t j = 0; j < VL; j++) {                                                    \
+            float *kr = kbuf + j * D;                                                         \
+            if (j >= n) {                                                                     \
+                for (int64_t c = 0; c < nv; c++) *(vf *)(kr + c * VL) = (vf){0};              \
+                continue;                                                                     \
+            }                                                                                 \
+            row_prefetch(k_head, table, blk, off, ctx, bs, D * (int64_t)sizeof(TK));          \
+            const TK *row = k_head + ((int64_t)table[blk] * bs + off) * D;                   \
+            if (++off == bs) off = 0, blk++;                                                  \
+            for (int64_t c = 0; c < nv; c++) *(vf *)(kr + c * VL) = LOADV(row + c * VL);     \
+        }                                                                                     \
+        vi lane;                                                                              \
+        for (int j = 0; j < VL; j++) lane[j] = j;                                             \
+        const vi valid = lane < (int32_t)n;                                                   \
+        for (int64_t g = 0; g < group; g++) {                                                 \
+            vf part[VL];                                                                      \
+            for (int j = 0; j < VL; j++) part[j] = (vf){0};                                   \
+            for (int64_t c = 0; c < nv; c++) {                                                \
+                const vf qc = *(const vf *)(qf + g * D + c * VL);                             \
+                for (int j = 0; j < VL; j++) part[j] += qc * *(const vf *)(kbuf + j * D + c * VL); \
+            }                                                                                 \
+            vf s = sum_lanes(part);                                                           \
+            s = (vf)(((vi)s & valid) | ((vi)((vf){0} + MASKED) & ~valid));                   \
+            *(vf *)(scores + g * ctx16 + t0) = s;                                             \
+            top[g] = vmax(top[g], s);                                                         \
+        }                                                                                     \
+    }                                                                                         \
+    float inv[MAX_GROUP];                                                                     \
+    for (int64_t g = 0; g < group; g++) {                                                     \
+        const float m = hmax(top[g]);                                                         \
+        vf sum = (vf){0};                                                                     \
+        for (int64_t t0 = 0; t0 < ctx; t0 += VL) {                                            \
+            vf *sv = (vf *)(scores + g * ctx16 + t0);                                         \
+            *sv = vexp(*sv - m);                                                              \
+            sum += *sv;                                                                       \
+        }                                                                                     \
+        inv[g] = 1.0f / hsum(sum);                                                            \
+    }                                                                                         \
+    const int wide = D % (4 * VL) == 0;                                                       \
+    const int64_t hp = ROW_PASS_HEADS;                                                        \
+    for (int64_t g0 = 0; g0 < group; g0 += hp)                                                \
+        for (int64_t c0 = 0; c0 < D; c0 += (wide ? 4 : 2) * VL) {                             \
+            const float *sc = scores + g0 * ctx16;                                            \
+            float *ac = acc + g0 * D;                                                         \
+            const int first = g0 == 0 && c0 == 0;                                             \
+            const int64_t gn = group - g0 < hp ? group - g0 : hp;                             \
+            /* constant G and C in each call, so that the sums stay in registers */        \
+            _Pragma("GCC unroll 4") for (int G = 1; G <= ROW_HEADS; G++)                     \
+                if (gn == G) {                                                                \
+                    if (wide) NAME##_v(v_head, table, ctx, bs, D, sc, ctx16, c0, first, ac, G, 4); \
+                    else NAME##_v(v_head, table, ctx, bs, D, sc, ctx16, c0, first, ac, G, 2); \
+                }                                                                             \
+        }                                                                                     \
+    for (int64_t g = 0; g < group; g++)                                                       \
+        for (int64_t c = 0; c < nv; c++) *(vf *)(acc + g * D + c * VL) *= inv[g];             \
+}                                                                                             \
+/* A constant head_dim lets the compiler unroll the loops over it. */                       \
+static void NAME(const float *qf, const TK *k_head, const TK *v_head, const int32_t *table,  \
+                 int64_t ctx, int64_t bs, int64_t group, int64_t D, float *scores,            \
+                 float *acc) {                                                                \
+    if (D == 64) NAME##_d(qf, k_head, v_head, table, ctx, bs, group, 64, scores, acc);        \
+    else if (D == 128) NAME##_d(qf, k_head, v_head, table, ctx, bs, group, 128, scores, acc); \
+    else NAME##_d(qf, k_head, v_head, table, ctx, bs, group, D, scores, acc);                 \
+}
+
+DEFINE_ROW_TASK(row_task_vec_bf16, uint16_t, loadv_bf16)
+DEFINE_ROW_TASK(row_task_vec_f32, float, loadv_f32)
+
 /* The kernel's work items: (first entry, number of rows). A run of at least TILE_MIN_ROWS
  * entries that are one request's consecutive rows (one table row, consecutive q rows,
  * contexts one apart) is cut into tiles of TILE_Q rows; any other entry is an item alone. */
@@ -533,7 +598,7 @@ static int metadata_valid(const int32_t *block_tables, int64_t num_tables,
  * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
  * tokens after c cached ones is n entries sharing one table row, with contexts c+1 .. c+n,
  * which is causal attention. */
-#define DEFINE_KERNEL(NAME, TASK, TILE, T, LOAD, STORE, TK, FAST)                            \
+#define DEFINE_KERNEL(NAME, TASK, ROWV, TILE, T, LOAD, STORE, TK)                               \
 int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_tables,       \
          int64_t num_tables, const int32_t *table_rows, const int32_t *context_lens,         \
          const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries, int64_t max_blocks, \
@@ -581,20 +646,14 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         float *acc = qf + group * D, *scores = acc + group * D;                               \
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
-        prefetch_runs(k_head, v_head, table, ctx, block_size,                                 \
-                      block_size * D * (int64_t)sizeof(TK));                                  \
-        if (FAST(q_seq, k_head, v_head, table, ctx, block_size, group, D, scale, qf, o_seq)) { \
-            free(qf);                                                                         \
-            continue;                                                                         \
-        }                                                                                     \
         for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
-        /* A constant head_dim lets the compiler unroll and vectorise the row loops. */      \
-        if (D == 64)                                                                          \
-            TASK(qf, k_head, v_head, table, ctx, block_size, group, 64, scores, acc);        \
-        else if (D == 128)                                                                    \
-            TASK(qf, k_head, v_head, table, ctx, block_size, group, 128, scores, acc);       \
-        else                                                                                  \
+        if (tile_supported(D)) {                         /* VL keys at a time */             \
+            ROWV(qf, k_head, v_head, table, ctx, block_size, group, D, scores, acc);         \
+        } else {                                         /* other head sizes: one by one */  \
+            prefetch_runs(k_head, v_head, table, ctx, block_size,                             \
+                          block_size * D * (int64_t)sizeof(TK));                              \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, D, scores, acc);         \
+        }                                                                                     \
         for (int64_t i = 0; i < group * D; i++) o_seq[i] = STORE(acc[i]);                    \
         free(qf);                                                                             \
     }                                                                                         \
@@ -602,28 +661,18 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
     return failed ? 2 : 0;                                                                    \
 }
 
-/* FAST(...) runs a task on a faster path and is true, or is false and leaves it to TASK. */
-#define NO_FAST_PATH(...) 0
-#ifdef KVFLOW_AVX512_BF16
-#define AVX512_BF16_PATH(q, k, v, table, ctx, bs, group, D, scale, scratch, out)              \
-    ((D) % 32 == 0 && (D) <= 256                                                              \
-     && (row_task_avx512(q, k, v, table, ctx, bs, group, D, scale, scratch, out), 1))
-#else
-#define AVX512_BF16_PATH NO_FAST_PATH
-#endif
-
 /* Row tasks by the cache's type (they take float32 queries). */
 DEFINE_TASK(row_task_bf16, uint16_t, bf16_to_f32)
 DEFINE_TASK(row_task_f32, float, f32_to_f32)
 
-DEFINE_KERNEL(paged_attention_bf16, row_task_bf16, tile_task_bf16, uint16_t, bf16_to_f32,
-              f32_to_bf16, uint16_t, AVX512_BF16_PATH)
-DEFINE_KERNEL(paged_attention_f32, row_task_f32, tile_task_f32, float, f32_to_f32, f32_to_f32,
-              float, NO_FAST_PATH)
+DEFINE_KERNEL(paged_attention_bf16, row_task_bf16, row_task_vec_bf16, tile_task_bf16,
+              uint16_t, bf16_to_f32, f32_to_bf16, uint16_t)
+DEFINE_KERNEL(paged_attention_f32, row_task_f32, row_task_vec_f32, tile_task_f32, float,
+              f32_to_f32, f32_to_f32, float)
 /* float32 queries and output, bfloat16 cache (float32 arithmetic with a bfloat16 KV cache:
  * half the bytes a decode reads per key; kv_cache_dtype, workers/hardware.py). */
-DEFINE_KERNEL(paged_attention_f32_kv_bf16, row_task_bf16, tile_task_f32_kv_bf16, float,
-              f32_to_f32, f32_to_f32, uint16_t, NO_FAST_PATH)
+DEFINE_KERNEL(paged_attention_f32_kv_bf16, row_task_bf16, row_task_vec_bf16,
+              tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions
