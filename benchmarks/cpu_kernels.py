@@ -1,7 +1,7 @@
 """The CPU kernels against their baselines, on the default model's shapes.
 
 With --gemv: the decode-shaped linear (cpu_gemv.c; row-major weights, and bfloat16 in the AMX
-tile layout where the CPU has AMX) against oneDNN (torch's packed linear) and against a plain
+tile layout where the CPU has AMX, and in panels under float32 x) against oneDNN (torch's packed linear) and against a plain
 memory read. For each of the model's weight shapes and types, enough
 copies of the matrix to exceed the caches (1 GiB) are multiplied by one row each, in turn,
 so every weight comes from memory as in a decode step; GB/s = weight bytes / time. The read
@@ -74,7 +74,7 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
     print(f"read bandwidth (float32 sum over 1 GiB, {args.threads} threads): {read:.1f} GB/s; "
           f"x: {args.rows} row(s); kernels built for {args.isa}")
     print(f"{'shape':10s}{'weights':>9s}{'MB':>7s}{'gemv GB/s':>11s}{'of read':>9s}"
-          f"{'AMX tiles GB/s':>16s}{'oneDNN GB/s':>13s}")
+          f"{'AMX tiles GB/s':>16s}{'panels GB/s':>13s}{'oneDNN GB/s':>13s}")
     onednn = OneDnnLinear()
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
         for name, (n, k) in GEMV_SHAPES.items():
@@ -94,6 +94,12 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
                 tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
+            panels = "-"                     # bf16 in panels, float32 x (no AVX512-BF16)
+            if dtype == torch.bfloat16 and cpu_ops.pack_panels(weight) is not None:
+                packed, xf = [cpu_ops.pack_panels(c) for c in copies], x.float()
+                t = timed(lambda: [cpu_ops.gemv(xf, p, layout="panels") for p in packed], 3)
+                panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
+                del packed
             theirs = "-"
             if dtype != torch.int8:          # oneDNN's int8 GEMM quantizes x: not comparable
                 packed = [onednn.prepare(c) for c in copies]
@@ -102,7 +108,7 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 del packed
             gbs = len(copies) * nbytes / ours / 1e9
             print(f"{name:10s}{str(dtype)[6:]:>9s}{nbytes / 1e6:7.1f}{gbs:11.1f}"
-                  f"{gbs / read:9.0%}{tiles:>16s}{theirs:>13s}", flush=True)
+                  f"{gbs / read:9.0%}{tiles:>16s}{panels:>13s}{theirs:>13s}", flush=True)
             del copies
 
 
