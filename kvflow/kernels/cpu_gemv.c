@@ -632,12 +632,14 @@ DEFINE_PANEL_GROUP(12, 1)
  * as even as they come (32 rows: 6 6 5 5 5 5, not five 6s and a 2). The first block reads
  * the panel from memory and the others from L1/L2, so the memory streamed during the first
  * and idled during the rest, its time added to the arithmetic's (standalone, AVX-512, 3072 x
- * 576 bf16 at 32 rows: 552 us a call with the weights in memory, 392 with them in L2). With
- * `next` (the panel this thread takes after this one) each block also fetches its share of
- * that panel into L2, which spreads the stream over the whole panel's arithmetic: the
- * default model's 3072 x 576 and 576 x 1536 at 16-32 rows 5-17% faster (AVX-512 and AVX2
- * builds), its smaller 960 x 576 and 576 x 576 up to 5% slower, a decode step's linears 3-6%
- * faster in all. One block streams its own panel, as before. */
+ * 576 bf16 at 32 rows: 552 us a call with 64 copies of the weights cycled, 392 with one copy
+ * in L2). With `next` (the panel this thread takes after this one) each block also fetches
+ * its share of that panel into L2, spreading the stream over the whole panel's arithmetic.
+ * Measured: with the weights in the L3 (64 copies; this Xeon's 480 MB L3 also holds the
+ * default model), the default model's 3072 x 576 and 576 x 1536 at 16-32 rows 5-17% faster
+ * on the AVX-512 and AVX2 builds, its 960 x 576 and 576 x 576 up to 5% slower, a 32-request
+ * decode step 3-4% faster; with them in memory (1 GiB of copies, benchmarks/cpu_kernels.py
+ * --gemv --rows 32) unchanged within the noise. One block streams its own panel. */
 static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, float *out,
                        const uint16_t *next) {
     const int64_t blocks = (M + MR - 1) / MR;

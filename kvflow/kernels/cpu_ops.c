@@ -357,8 +357,9 @@ DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t,
  * rows two blocks ahead fetched into L2. With the cache in L2 a (row, KV head) pair of
  * SmolLM2's (3 heads of 64, 400 keys) went from 14 to 24.5 GB/s of K/V on AVX-512 and from
  * 14 to 16.6 on AVX2 (one thread); over 30 layers' caches from memory, 32 rows
- * (benchmarks/cpu_kernels.py, blocks in runs): AVX-512 without BF16 26 -> 22 ms a step,
- * AVX512-BF16 bfloat16 25 -> 22, AVX2 about the same (23 -> 24.7). Scores, softmax and sums
+ * (benchmarks/cpu_kernels.py --batch 32, blocks in runs): AVX-512 without BF16 26 -> 22 ms
+ * a step, AVX512-BF16 bfloat16 25 -> 22, AVX2 23.3 -> 24.8 (the 32-request workload's decode
+ * steps there unchanged within the noise). Scores, softmax and sums
  * in float32 (bfloat16 queries are widened), in an order that does not depend on the batch.
  * Needs tile_supported(D). */
 typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));   /* unaligned loads */
