@@ -41,14 +41,21 @@ static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as 
 
 static inline float f32_to_f32(float x) { return x; }
 
-/* Fetch [start, start + bytes) towards L2. On x86 an asm statement: GCC may delete a loop that
+/* Fetch [start, start + bytes): into L1 (to = 0, prefetcht0), L2 (1, prefetcht1) or towards
+ * L2 (2, prefetcht2); `to` a constant. On x86 an asm statement: GCC may delete a loop that
  * does nothing but __builtin_prefetch (it has no side effects), and did here. */
-static inline void prefetch_l2(const void *start, int64_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_bytes(const void *start,
+                                                                 int64_t bytes, const int to) {
     for (int64_t off = 0; off < bytes; off += 64) {
+        const char *p = (const char *)start + off;
 #if defined(__x86_64__) || defined(__i386__)
-        __asm__ volatile("prefetcht2 %0" : : "m"(*((const char *)start + off)));
+        if (to == 0) __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+        else if (to == 1) __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+        else __asm__ volatile("prefetcht2 %0" : : "m"(*p));
 #else
-        __builtin_prefetch((const char *)start + off, 0, 1);
+        if (to == 0) __builtin_prefetch(p, 0, 3);
+        else if (to == 1) __builtin_prefetch(p, 0, 2);
+        else __builtin_prefetch(p, 0, 1);
 #endif
     }
 }
@@ -60,8 +67,8 @@ static inline void prefetch_runs(const void *k_head, const void *v_head, const i
                                  int64_t ctx, int64_t block_size, int64_t block_bytes) {
     for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
         if (b == 0 || table[b] != table[b - 1] + 1) {
-            prefetch_l2((const char *)k_head + table[b] * block_bytes, block_bytes);
-            prefetch_l2((const char *)v_head + table[b] * block_bytes, block_bytes);
+            prefetch_bytes((const char *)k_head + table[b] * block_bytes, block_bytes, 2);
+            prefetch_bytes((const char *)v_head + table[b] * block_bytes, block_bytes, 2);
         }
 }
 
@@ -76,13 +83,7 @@ static inline void prefetch_key(const void *head, const int32_t *table, int64_t 
     if (t >= ctx) return;
     const char *row = (const char *)head
                       + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes;
-    for (int64_t off = 0; off < row_bytes; off += 64) {
-#if defined(__x86_64__) || defined(__i386__)
-        __asm__ volatile("prefetcht0 %0" : : "m"(*(row + off)));
-#else
-        __builtin_prefetch(row + off, 0, 3);
-#endif
-    }
+    prefetch_bytes(row, row_bytes, 0);
 }
 
 /* One (query row, KV head) pair: `group` query heads against `ctx` keys, a key at a time (head
@@ -359,14 +360,15 @@ DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t,
  * 14 to 16.6 on AVX2 (one thread); over 30 layers' caches from memory, 32 rows
  * (benchmarks/cpu_kernels.py --batch 32, blocks in runs): AVX-512 without BF16 26 -> 22 ms
  * a step, AVX512-BF16 bfloat16 25 -> 22, AVX2 23.3 -> 24.8 (the 32-request workload's decode
- * steps there unchanged within the noise). Scores, softmax and sums
- * in float32 (bfloat16 queries are widened), in an order that does not depend on the batch.
- * Needs tile_supported(D). */
+ * steps there unchanged within the noise). Scores, softmax and sums in float32 (bfloat16
+ * queries are widened), in an order that does not depend on the batch. Needs
+ * tile_supported(D). */
 typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));   /* unaligned loads */
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 static inline vf loadv_bf16(const uint16_t *p) {
 #if VL == 16
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 #elif defined(__AVX2__)
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
@@ -405,26 +407,15 @@ static inline vf sum_lanes(const vf v[VL]) {
 #endif
 }
 
-/* [p, p + bytes) into L2 (prefetcht1): the K/V rows two blocks ahead of the one being read.
- * A request's blocks lie anywhere, and the hardware prefetcher alone kept too few reads in
- * flight; T1 rather than prefetch_key's T0, which holds one of the core's few L1 fill buffers
- * until its line arrives. */
-static inline void prefetch_ahead(const char *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) {
-#if defined(__x86_64__) || defined(__i386__)
-        __asm__ volatile("prefetcht1 %0" : : "m"(*(p + o)));
-#else
-        __builtin_prefetch(p + o, 0, 2);
-#endif
-    }
-}
-
-/* Key row `off` of block `blk` + 2, if the context has it, by prefetch_ahead. */
+/* Key row `off` of block `blk` + 2, if the context has it, into L2: a request's blocks lie
+ * anywhere, and the hardware prefetcher alone kept too few reads in flight. L2 rather than
+ * prefetch_key's L1: a T0 prefetch holds one of the core's few L1 fill buffers until its
+ * line arrives. */
 static inline void row_prefetch(const void *head, const int32_t *table, int64_t blk,
                                 int64_t off, int64_t ctx, int64_t bs, int64_t row_bytes) {
     if ((blk + 2) * bs < ctx)
-        prefetch_ahead((const char *)head + ((int64_t)table[blk + 2] * bs + off) * row_bytes,
-                    row_bytes);
+        prefetch_bytes((const char *)head + ((int64_t)table[blk + 2] * bs + off) * row_bytes,
+                       row_bytes, 1);
 }
 
 /* P V a pass: ROW_PASS_HEADS query heads x 4 column vectors of V, the sums in registers
@@ -451,7 +442,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const char *ahead = prefetch && (blk + 2) * bs < ctx                                  \
             ? (const char *)(v_head + (int64_t)table[blk + 2] * bs * D) : NULL;               \
         for (int64_t t = 0; t < n; t++, row += D) {                                           \
-            if (ahead) prefetch_ahead(ahead + t * row_bytes, row_bytes);                         \
+            if (ahead) prefetch_bytes(ahead + t * row_bytes, row_bytes, 1);                  \
             vf v[ROW_COLS];                                                                   \
             for (int c = 0; c < C; c++) v[c] = LOADV(row + c * VL);                           \
             for (int g = 0; g < G; g++) {                                                     \
