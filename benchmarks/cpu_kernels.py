@@ -195,6 +195,8 @@ def main() -> None:
     caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(kv_dtype)
                for _ in range(2)] for _ in range(args.layers)]  # a cache per layer
     kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * kv_dtype.itemsize * args.layers
+    layers = {"cpu": caches, "torch": caches if kv_dtype == dtype else [   # torch: its dtype's
+        [t.to(dtype) for t in pair] for pair in caches]}
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     slots = np.zeros(args.batch, dtype=np.int64)
     print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "
@@ -206,15 +208,13 @@ def main() -> None:
         result = {}
         for name, backend in backends.items():
             meta = backend.build_metadata(slots, spans, [])
-            layers = caches if name == "cpu" or kv_dtype == dtype else [
-                [t.to(dtype) for t in pair] for pair in caches]   # torch: its dtype's cache
             result[name] = timed(lambda: [backend.attend(q, k, v, meta, scale)
-                                          for k, v in layers], args.repeats)
-            del layers
+                                          for k, v in layers[name]], args.repeats)
         print(f"  blocks {placement:9s}: cpu {1e3 * result['cpu']:7.1f} ms "
               f"({kv_bytes / result['cpu'] / 1e9:4.1f} GB/s), torch "
               f"{1e3 * result['torch']:7.1f} ms: {result['torch'] / result['cpu']:.1f}x")
 
+    del layers
     for lengths in (rng.integers(32, 257, args.prompts).tolist(), [args.long_prompt]):
         prefill_attention(backends, lengths, caches[0], args, rng)
 

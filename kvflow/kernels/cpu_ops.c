@@ -435,14 +435,11 @@ static inline __attribute__((always_inline)) void NAME(                         
     vf a[ROW_HEADS][ROW_COLS];                                                                \
     for (int g = 0; g < G; g++)                                                               \
         for (int c = 0; c < C; c++) a[g][c] = (vf){0};                                        \
-    const int64_t row_bytes = D * (int64_t)sizeof(TK);                                        \
     for (int64_t start = 0, blk = 0; start < ctx; start += bs, blk++) {                      \
         const int64_t n = ctx - start < bs ? ctx - start : bs;                                \
         const TK *row = v_head + (int64_t)table[blk] * bs * D + c0;                          \
-        const char *ahead = prefetch && (blk + 2) * bs < ctx                                  \
-            ? (const char *)(v_head + (int64_t)table[blk + 2] * bs * D) : NULL;               \
         for (int64_t t = 0; t < n; t++, row += D) {                                           \
-            if (ahead) prefetch_bytes(ahead + t * row_bytes, row_bytes, 1);                  \
+            if (prefetch) row_prefetch(v_head, table, blk, t, ctx, bs, D * (int64_t)sizeof(TK)); \
             vf v[ROW_COLS];                                                                   \
             for (int c = 0; c < C; c++) v[c] = LOADV(row + c * VL);                           \
             for (int g = 0; g < G; g++) {                                                     \
