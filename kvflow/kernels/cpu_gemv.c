@@ -651,7 +651,7 @@ static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, 
         const int64_t r = (M - m0) / (blocks - b);
         const float *xb = x + m0 * K;
         float *ob = out + m0 * PANEL;
-        const char *pf = (const char *)next + b * share * 64;
+        const char *pf = next ? (const char *)next + b * share * 64 : NULL;
         const int64_t n = next ? share : 0;
         switch (r) {
             case 1: panel_group_1_1(p, K, xb, ob, M, pf, n, per_step); break;
