@@ -65,7 +65,8 @@ HEAD_SHAPES = [(9, 3, 64), (4, 4, 128), (10, 2, 96), (8, 2, 48), (6, 1, 16)]
 def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torch.dtype,
                                         num_heads: int, num_kv_heads: int, head_dim: int,
                                         block_size: int) -> None:
-    context_lens = [1, block_size, 2 * block_size, 37, 130, 3 * block_size + 1]
+    # 512 keys: one segment; 513 and 1300: two and three (cpu_ops.c's ROW_SEG), combined
+    context_lens = [1, block_size, 2 * block_size, 37, 130, 3 * block_size + 1, 512, 513, 1300]
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 7
     spans = _spans(context_lens, [1] * len(context_lens), block_size, num_blocks)
     spans = spans[::-1]                              # rows out of request order
@@ -80,6 +81,29 @@ def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, kv_dty
     expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
                           ref.build_metadata(slots, spans, []), scale)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
+def test_split_decode_rows_do_not_depend_on_the_batch(kernels: str, dtype: torch.dtype,
+                                                      kv_dtype: torch.dtype) -> None:
+    """A decode row whose context is split into segments (one task each, combined by the
+    last) gets the same bits alone, with one other row or in a batch of 40."""
+    bs, kv_heads, heads, d = 16, 3, 9, 64
+    contexts = [1100] + [37 + 29 * i for i in range(39)]
+    num_blocks = sum(-(-c // bs) for c in contexts) + 1
+    spans = _spans(contexts, [1] * len(contexts), bs, num_blocks)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
+    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    q = torch.randn(len(spans), heads, d).to(dtype)
+
+    def attend(n: int) -> torch.Tensor:
+        slots = np.zeros(n, dtype=np.int64)
+        return fast.attend(q[:n], k_cache, v_cache, fast.build_metadata(slots, spans[:n], []),
+                           0.125)
+
+    alone, batch = attend(1), attend(len(spans))
+    assert torch.equal(alone, batch[:1]) and torch.equal(attend(2)[:1], alone)
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)

@@ -425,25 +425,27 @@ static inline void row_prefetch(const void *head, const int32_t *table, int64_t 
 #define ROW_COLS 4
 #define ROW_PASS_HEADS (VL == 16 ? 4 : 3)
 
-/* acc[g] = sum over t of p[g][t] V[t], for G heads (scores ctx16 apart) and C VL columns
- * from c0 on. */
+/* acc[g] = sum over keys t in [tb, te) of p[g][t - tb] V[t], for G heads (scores ctx16
+ * apart) and C VL columns from c0 on. */
 #define DEFINE_ROW_V(NAME, TK, LOADV)                                                          \
 static inline __attribute__((always_inline)) void NAME(                                       \
-        const TK *v_head, const int32_t *table, int64_t ctx, int64_t bs, int64_t D,          \
+        const TK *v_head, const int32_t *table, int64_t tb, int64_t te, int64_t bs, int64_t D, \
         const float *scores, int64_t ctx16, int64_t c0, int prefetch, float *acc, const int G,  \
         const int C) {                                                                        \
     vf a[ROW_HEADS][ROW_COLS];                                                                \
     for (int g = 0; g < G; g++)                                                               \
         for (int c = 0; c < C; c++) a[g][c] = (vf){0};                                        \
-    for (int64_t start = 0, blk = 0; start < ctx; start += bs, blk++) {                      \
-        const int64_t n = ctx - start < bs ? ctx - start : bs;                                \
-        const TK *row = v_head + (int64_t)table[blk] * bs * D + c0;                          \
+    for (int64_t start = tb, blk = tb / bs, off = tb % bs; start < te; start += bs - off,    \
+         blk++, off = 0) {                                /* runs of one block's rows */     \
+        const int64_t n = te - start < bs - off ? te - start : bs - off;                      \
+        const TK *row = v_head + ((int64_t)table[blk] * bs + off) * D + c0;                  \
+        const float *sc = scores + start - tb;                                                \
         for (int64_t t = 0; t < n; t++, row += D) {                                           \
-            if (prefetch) row_prefetch(v_head, table, blk, t, ctx, bs, D * (int64_t)sizeof(TK)); \
+            if (prefetch) row_prefetch(v_head, table, blk, off + t, te, bs, D * (int64_t)sizeof(TK)); \
             vf v[ROW_COLS];                                                                   \
             for (int c = 0; c < C; c++) v[c] = LOADV(row + c * VL);                           \
             for (int g = 0; g < G; g++) {                                                     \
-                const float p = scores[g * ctx16 + start + t];                                \
+                const float p = sc[g * ctx16 + t];                                            \
                 for (int c = 0; c < C; c++) a[g][c] += p * v[c];                              \
             }                                                                                 \
         }                                                                                     \
@@ -452,18 +454,22 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int c = 0; c < C; c++) *(vf *)(acc + g * D + c0 + c * VL) = a[g][c];             \
 }
 
-/* The task: DEFINE_TASK's arguments and results (qf, acc 64-byte aligned; scores [group,
- * ctx16]), acc already divided by the softmax's sums. */
+/* The task over keys [tb, te) of the context: DEFINE_TASK's arguments and results (qf, acc
+ * 64-byte aligned; scores [group, ctx16], ctx16 = te - tb rounded up to 16). With ml NULL,
+ * acc is divided by the softmax's sums; else (a segment of a split context, see the kernel)
+ * acc is left undivided and ml[g], ml[group + g] get head g's largest score and its sum of
+ * exps. */
 #define DEFINE_ROW_TASK(NAME, TK, LOADV)                                                       \
 DEFINE_ROW_V(NAME##_v, TK, LOADV)                                                             \
 static inline __attribute__((always_inline)) void NAME##_d(                                   \
-        const float *qf, const TK *k_head, const TK *v_head, const int32_t *table, int64_t ctx, \
-        int64_t bs, int64_t group, const int64_t D, float *scores, float *acc) {             \
-    const int64_t ctx16 = (ctx + 15) & ~(int64_t)15, nv = D / VL;                             \
+        const float *qf, const TK *k_head, const TK *v_head, const int32_t *table, int64_t tb, \
+        int64_t te, int64_t bs, int64_t group, const int64_t D, float *scores, float *acc,   \
+        float *ml) {                                                                          \
+    const int64_t ctx = te - tb, ctx16 = (ctx + 15) & ~(int64_t)15, nv = D / VL;             \
     float kbuf[VL * 256] __attribute__((aligned(64)));       /* VL key rows, D <= 256 */     \
     vf top[MAX_GROUP];                                                                        \
     for (int64_t g = 0; g < group; g++) top[g] = (vf){0} + MASKED;                            \
-    for (int64_t t0 = 0, blk = 0, off = 0; t0 < ctx; t0 += VL) {                              \
+    for (int64_t t0 = 0, blk = tb / bs, off = tb % bs; t0 < ctx; t0 += VL) {                  \
         const int64_t n = ctx - t0 < VL ? ctx - t0 : VL;                                      \
         for (int64_t j = 0; j < VL; j++) {                                                    \
             float *kr = kbuf + j * D;                                                         \
@@ -471,7 +477,7 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
                 for (int64_t c = 0; c < nv; c++) *(vf *)(kr + c * VL) = (vf){0};              \
                 continue;                                                                     \
             }                                                                                 \
-            row_prefetch(k_head, table, blk, off, ctx, bs, D * (int64_t)sizeof(TK));          \
+            row_prefetch(k_head, table, blk, off, te, bs, D * (int64_t)sizeof(TK));           \
             const TK *row = k_head + ((int64_t)table[blk] * bs + off) * D;                   \
             if (++off == bs) off = 0, blk++;                                                  \
             for (int64_t c = 0; c < nv; c++) *(vf *)(kr + c * VL) = LOADV(row + c * VL);     \
@@ -502,6 +508,7 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
             sum += *sv;                                                                       \
         }                                                                                     \
         inv[g] = 1.0f / hsum(sum);                                                            \
+        if (ml) ml[g] = m, ml[group + g] = hsum(sum);                                         \
     }                                                                                         \
     const int wide = D % (4 * VL) == 0;                                                       \
     const int64_t hp = ROW_PASS_HEADS;                                                        \
@@ -514,20 +521,22 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
             /* constant G and C in each call, so that the sums stay in registers */        \
             _Pragma("GCC unroll 4") for (int G = 1; G <= ROW_HEADS; G++)                     \
                 if (gn == G) {                                                                \
-                    if (wide) NAME##_v(v_head, table, ctx, bs, D, sc, ctx16, c0, first, ac, G, 4); \
-                    else NAME##_v(v_head, table, ctx, bs, D, sc, ctx16, c0, first, ac, G, 2); \
+                    if (wide) NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, first, ac, G, 4); \
+                    else NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, first, ac, G, 2); \
                 }                                                                             \
         }                                                                                     \
+    if (ml) return;                                                                           \
     for (int64_t g = 0; g < group; g++)                                                       \
         for (int64_t c = 0; c < nv; c++) *(vf *)(acc + g * D + c * VL) *= inv[g];             \
 }                                                                                             \
 /* A constant head_dim lets the compiler unroll the loops over it. */                       \
 static void NAME(const float *qf, const TK *k_head, const TK *v_head, const int32_t *table,  \
-                 int64_t ctx, int64_t bs, int64_t group, int64_t D, float *scores,            \
-                 float *acc) {                                                                \
-    if (D == 64) NAME##_d(qf, k_head, v_head, table, ctx, bs, group, 64, scores, acc);        \
-    else if (D == 128) NAME##_d(qf, k_head, v_head, table, ctx, bs, group, 128, scores, acc); \
-    else NAME##_d(qf, k_head, v_head, table, ctx, bs, group, D, scores, acc);                 \
+                 int64_t tb, int64_t te, int64_t bs, int64_t group, int64_t D, float *scores, \
+                 float *acc, float *ml) {                                                     \
+    if (D == 64) NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 64, scores, acc, ml); \
+    else if (D == 128)                                                                        \
+        NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 128, scores, acc, ml);         \
+    else NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, D, scores, acc, ml);          \
 }
 
 DEFINE_ROW_TASK(row_task_vec_bf16, uint16_t, loadv_bf16)
@@ -582,6 +591,44 @@ static int metadata_valid(const int32_t *block_tables, int64_t num_tables,
     return 1;
 }
 
+/* A decode row's context longer than ROW_SEG keys is split into segments of ROW_SEG keys, one
+ * task each (as flash-decoding does on GPUs): with one request the (row, KV head) pairs are
+ * too few to keep every thread busy (SmolLM2's 3 KV heads on 2 threads: one thread did two
+ * of them while the other waited). Each segment leaves its undivided sums and its softmax's
+ * largest score and sum of exps; the task that finishes a row's last segment combines them
+ * (segments in order). The split depends on the context's length only, never on the batch,
+ * so a row's result does not depend on what else is in the step. */
+#define ROW_SEG 512
+
+static inline int64_t row_segments(int64_t rows, int64_t ctx, int64_t D) {
+    return rows == 1 && tile_supported(D) ? (ctx + ROW_SEG - 1) / ROW_SEG : 1;
+}
+
+/* out[g] = the segments' sums, each scaled by exp(its largest score - the largest), over the
+ * same of their sums of exps; parts: nseg blocks of `stride` floats, acc [group, D] then ml. */
+static void combine_segments(const float *parts, int64_t nseg, int64_t stride, int64_t group,
+                             int64_t D, float *out) {
+    for (int64_t g = 0; g < group; g++) {
+        const float *ml0 = parts + group * D;
+        float m = ml0[g], l = 0.0f;
+        for (int64_t s = 1; s < nseg; s++) {
+            const float ms = (parts + s * stride + group * D)[g];
+            m = ms > m ? ms : m;
+        }
+        for (int64_t s = 0; s < nseg; s++) {
+            const float *ml = parts + s * stride + group * D;
+            l += expf(ml[g] - m) * ml[group + g];
+        }
+        float *o = out + g * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t s = 0; s < nseg; s++) {
+            const float *part = parts + s * stride;
+            const float ws = expf(part[group * D + g] - m) / l;
+            for (int64_t d = 0; d < D; d++) o[d] += ws * part[g * D + d];
+        }
+    }
+}
+
 /* Paged attention, one query row per entry: entry i is q/out row q_rows[i], reading the
  * block table row table_rows[i] of block_tables [num_tables, max_blocks] (int32) and its first
  * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
@@ -602,13 +649,45 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
     if (items == NULL) return 2;                                                              \
     const int64_t num_items = work_items(table_rows, context_lens, q_rows, num_entries,      \
                                          tile_supported(head_dim), items);                   \
+    /* Tasks (item, segment, KV head), last items first: a prompt's last tiles are its     \
+     * longest tasks. Split rows' segments write into parts, counted per (item, KV head). */ \
+    const int64_t D = head_dim, nkv = num_kv_heads;                                          \
+    const int64_t stride = (group * D + 2 * group + 15) & ~(int64_t)15;                      \
+    int64_t num_tasks = 0, num_parts = 0;                                                     \
+    for (int64_t item = 0; item < num_items; item++) {                                        \
+        const int64_t nseg = row_segments(items[2 * item + 1],                                \
+                                          context_lens[items[2 * item]], D);                  \
+        num_tasks += nseg * nkv;                                                              \
+        if (nseg > 1) num_parts += nseg * nkv;                                                \
+    }                                                                                         \
+    int64_t *tasks = malloc(sizeof(int64_t) * 4 * (size_t)num_tasks                          \
+                            + sizeof(int64_t) * (size_t)(num_items * nkv));                   \
+    float *parts = num_parts ? aligned_alloc(64, sizeof(float) * (size_t)(num_parts * stride)) \
+                             : NULL;                                                          \
+    if (tasks == NULL || (num_parts && parts == NULL)) {                                     \
+        free(items), free(tasks), free(parts);                                                \
+        return 2;                                                                             \
+    }                                                                                         \
+    int64_t *done = tasks + 4 * num_tasks;       /* segments finished per (item, KV head) */ \
+    for (int64_t i = 0, t = 0, part = 0; i < num_items; i++) {                               \
+        const int64_t item = num_items - 1 - i;                                               \
+        const int64_t nseg = row_segments(items[2 * item + 1],                                \
+                                          context_lens[items[2 * item]], D);                  \
+        for (int64_t sg = 0; sg < nseg; sg++)                                                 \
+            for (int64_t kvh = 0; kvh < nkv; kvh++, t++) {                                    \
+                tasks[4 * t] = item, tasks[4 * t + 1] = sg, tasks[4 * t + 2] = kvh;           \
+                tasks[4 * t + 3] = nseg > 1 ? part + kvh * nseg + sg : -1;                    \
+            }                                                                                 \
+        if (nseg > 1) part += nseg * nkv;                                                     \
+        for (int64_t kvh = 0; kvh < nkv; kvh++) done[item * nkv + kvh] = 0;                  \
+    }                                                                                         \
     int failed = 0;                                                                           \
-    /* Last items first: a prompt's last tiles are its longest tasks. */                     \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t task = 0; task < num_items * num_kv_heads; task++) {                         \
-        const int64_t item = num_items - 1 - task / num_kv_heads, kvh = task % num_kv_heads; \
+    for (int64_t task = 0; task < num_tasks; task++) {                                        \
+        const int64_t item = tasks[4 * task], sg = tasks[4 * task + 1];                       \
+        const int64_t kvh = tasks[4 * task + 2], part = tasks[4 * task + 3];                  \
         const int64_t seq = items[2 * item], rows = items[2 * item + 1];                     \
-        const int64_t ctx = context_lens[seq], D = head_dim, ctx16 = (ctx + 15) & ~15;       \
+        const int64_t ctx = context_lens[seq];                                                \
         const TK *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
         const int32_t *table = block_tables + (int64_t)table_rows[seq] * max_blocks;          \
         if (rows > 1) {                                                                       \
@@ -624,6 +703,9 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
             free(scratch);                                                                    \
             continue;                                                                         \
         }                                                                                     \
+        const int64_t tb = part < 0 ? 0 : sg * ROW_SEG;                                       \
+        const int64_t te = part < 0 || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;              \
+        const int64_t ctx16 = (te - tb + 15) & ~(int64_t)15;                                  \
         /* 64-byte aligned (D, ctx16 multiples of 16): the vectorised loops over this scratch \
          * then sum in the same order whichever thread's heap it comes from. */               \
         float *qf = aligned_alloc(64, sizeof(float) * (size_t)(group * (2 * D + ctx16)));     \
@@ -636,8 +718,20 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         const T *q_seq = q + (q_rows[seq] * num_heads + kvh * group) * D;                    \
         T *o_seq = out + (q_rows[seq] * num_heads + kvh * group) * D;                        \
         for (int64_t i = 0; i < group * D; i++) qf[i] = LOAD(q_seq[i]) * scale;              \
+        if (part >= 0) {                                 /* a segment of a split row */      \
+            float *mine = parts + part * stride;                                              \
+            ROWV(qf, k_head, v_head, table, tb, te, block_size, group, D, scores, mine,      \
+                 mine + group * D);                                                           \
+            const int64_t nseg = row_segments(1, ctx, D);                                     \
+            if (__atomic_add_fetch(&done[item * nkv + kvh], 1, __ATOMIC_ACQ_REL) == nseg) {   \
+                combine_segments(parts + (part - sg) * stride, nseg, stride, group, D, acc); \
+                for (int64_t i = 0; i < group * D; i++) o_seq[i] = STORE(acc[i]);            \
+            }                                                                                 \
+            free(qf);                                                                         \
+            continue;                                                                         \
+        }                                                                                     \
         if (tile_supported(D)) {                         /* VL keys at a time */             \
-            ROWV(qf, k_head, v_head, table, ctx, block_size, group, D, scores, acc);         \
+            ROWV(qf, k_head, v_head, table, 0, ctx, block_size, group, D, scores, acc, NULL); \
         } else {                                         /* other head sizes: one by one */  \
             prefetch_runs(k_head, v_head, table, ctx, block_size,                             \
                           block_size * D * (int64_t)sizeof(TK));                              \
@@ -646,7 +740,7 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         for (int64_t i = 0; i < group * D; i++) o_seq[i] = STORE(acc[i]);                    \
         free(qf);                                                                             \
     }                                                                                         \
-    free(items);                                                                              \
+    free(items), free(tasks), free(parts);                                                    \
     return failed ? 2 : 0;                                                                    \
 }
 
