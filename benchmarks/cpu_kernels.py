@@ -1,8 +1,8 @@
 """The CPU kernels against their baselines, on the default model's shapes.
 
-With --gemv: the decode-shaped linear (cpu_gemv.c; row-major weights, and bfloat16 in the AMX
-tile layout where the CPU has AMX, and in panels under float32 x) against oneDNN (torch's packed linear) and against a plain
-memory read. For each of the model's weight shapes and types, enough
+With --gemv: the decode-shaped linear (cpu_gemv.c; row-major weights, bfloat16 in the AMX
+tile layout where the CPU has AMX, bfloat16 in panels under float32 x, int8 in panels)
+against oneDNN (torch's packed linear) and against a plain memory read. For each of the model's weight shapes and types, enough
 copies of the matrix to exceed the caches (1 GiB) are multiplied by one row each, in turn,
 so every weight comes from memory as in a decode step; GB/s = weight bytes / time. The read
 bandwidth: a float32 sum over 1 GiB. The Python call's overhead (a few us a matrix) is
@@ -94,10 +94,16 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
                 tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
-            panels = "-"                     # bf16 in panels, float32 x (no AVX512-BF16)
+            panels = "-"         # bf16 in panels under float32 x (no AVX512-BF16); int8 panels
             if dtype == torch.bfloat16 and cpu_ops.pack_panels(weight) is not None:
                 packed, xf = [cpu_ops.pack_panels(c) for c in copies], x.float()
                 t = timed(lambda: [cpu_ops.gemv(xf, p, layout="panels") for p in packed], 3)
+                panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
+                del packed
+            if dtype == torch.int8 and cpu_ops.pack_i8_panels(weight) is not None:
+                packed = [cpu_ops.pack_i8_panels(c) for c in copies]     # int8 panels
+                t = timed(lambda: [cpu_ops.gemv(x, p, scales, layout="panels")
+                                   for p in packed], 3)
                 panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
             theirs = "-"

@@ -523,6 +523,55 @@ def test_gemv_panel_layout_matches_torch(kernels: str, m: int, n: int, k: int) -
     torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 13, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 2), (96, 602)])
+def test_gemv_int8_panel_layout_gives_the_row_major_bits(kernels: str, m: int, n: int,
+                                                         k: int) -> None:
+    """int8 weights in panels (pack_i8_panels) on every build: the same exact integer sums,
+    scaled the same way, as the row-major int8 kernel, so the very same bits for every row
+    count (one row: four panels at once; two to four: two; more: blocks, uneven at 7, 13, 33,
+    70), K over the 256 inputs after which the sums move to 64 bits (1536, 602), with the bias
+    and SmoothQuant's input scale, float32 and bfloat16 x; and the row-major kernel is itself
+    checked against float64 torch (test_gemv_matches_torch). Odd K and output counts that
+    are not a multiple of the panel stay row-major."""
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales, in_scale = torch.rand(n) / 50 + 1e-3, torch.rand(k) + 0.5
+    bias = torch.randn(n)
+    packed = cpu_ops.pack_i8_panels(w)
+    assert packed is not None and packed.shape == w.shape
+    assert k == 2 or not torch.equal(packed, w)          # at K = 2 the layouts coincide
+    assert cpu_ops.pack_i8_panels(w[: n - 8]) is None
+    assert cpu_ops.pack_i8_panels(w[:, : k - 1].contiguous()) is None
+    for x in (torch.randn(m, 2 * k)[:, ::2], torch.randn(m, k).bfloat16()):
+        for b, s in ((bias, in_scale), (None, None)):
+            rows = cpu_ops.gemv(x, w, scales, b, in_scale=s)
+            panels = cpu_ops.gemv(x, packed, scales, b, in_scale=s, layout="panels")
+            assert torch.equal(panels, rows)
+    ref = x.double() @ (w.double() * scales.double()[:, None]).T
+    torch.testing.assert_close(panels.double(), ref, atol=8e-3 * float(ref.abs().max()),
+                               rtol=1.6e-2)
+
+
+def test_gemv_int8_panels_worst_case_sums(kernels: str) -> None:
+    """The integer sums' worst case in panels too (every weight +-127, every x at the row's
+    peak, 4100 inputs: sixteen 256-input blocks moved into 64 bits); and a row of x with an
+    inf or NaN gives NaNs there only."""
+    k = 4100
+    w = torch.full((32, k), 127, dtype=torch.int8)
+    w[1::2] = -127
+    x = torch.full((3, k), 2.5)
+    x[1] = -0.75
+    scales = torch.full((32,), 0.01)
+    packed = cpu_ops.pack_i8_panels(w)
+    assert packed is not None
+    got = cpu_ops.gemv(x, packed, scales, layout="panels")
+    torch.testing.assert_close(got.double(), x.double() @ (w.double() * 0.01).T, rtol=1e-6,
+                               atol=0)
+    x[1, 7] = float("nan")
+    got = cpu_ops.gemv(x, packed, scales, layout="panels")
+    assert bool(got[1].isnan().all()) and not bool(got[[0, 2]].isnan().any())
+
+
 def test_gemv_linear_streams_bfloat16_panels_under_float32(kernels: str) -> None:
     """GemvLinear under float32 weights with a bfloat16 stream and pack_panels (dtype="auto"
     without bfloat16 arithmetic): a weight whose outputs fill whole panels is held in panels

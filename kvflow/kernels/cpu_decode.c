@@ -15,7 +15,7 @@
  *              h = a Wdown^T
  * Activations are in the model dtype (float32 or bfloat16) and rounded where the torch path
  * rounds them. Linear weights are the model dtype's, or int8 with a float32 scale per output
- * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c).
+ * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c), row-major or packed.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,14 +59,14 @@ int paged_attention_##S(const T *q, const T *k_cache, const T *v_cache,         
 DECLARE_OPS(float, f32)
 DECLARE_OPS(uint16_t, bf16)
 
-/* One linear layer's weight: W [n, k] row-major of `type` (or bf16 in the AMX tile layout), int8's scale per row and
- * SmoothQuant's per input channel, bias. */
+/* One linear layer's weight: W [n, k] of `type` (cpu_gemv.c's codes: row-major, or packed in
+ * AMX tiles or panels), int8's scale per row and SmoothQuant's per input channel, bias. */
 typedef struct {
     const void *w;
     const float *scales;          /* int8 only, else NULL */
     const float *in_scale;        /* int8 with SmoothQuant: x is multiplied by it; or NULL */
     const float *bias;            /* float32, or NULL */
-    int32_t type;                 /* D_F32, D_BF16 (the model dtype), D_I8 or 3 (AMX bf16) */
+    int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3, 4, 5) */
     int64_t n, k;
 } Linear;
 

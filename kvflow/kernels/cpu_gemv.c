@@ -31,8 +31,9 @@
 #endif
 
 /* T_BF16_AMX: bfloat16 packed for the tile unit (`pack_amx`), read only where it runs.
- * T_BF16_PANELS: bfloat16 in panels of PANEL outputs (`pack_panels`), float32 arithmetic. */
-enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4 };
+ * T_BF16_PANELS: bfloat16 in panels of PANEL outputs (`pack_panels`), float32 arithmetic.
+ * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`). */
+enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5 };
 
 static inline float gemv_bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -702,6 +703,151 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
 #endif
 }
 
+/* --- int8 weights in panels (T_I8_PANELS) --------------------------------------------------
+ *
+ * The row-major int8 kernel streams four rows of W side by side, each 16 or 32 bytes a step
+ * (a row is K bytes, so the four are K apart): the hardware prefetcher loses such streams,
+ * and with its software prefetch a one-row decode step's int8 weights were read at ~33 GB/s
+ * from this Xeon's L3 where the bf16 panels read theirs at 43-47. Here W is held in panels of
+ * PANEL outputs by input pairs, [N / PANEL][K / 2][PANEL][2] int8, so a panel is one
+ * contiguous run: each step widens 2 IL weights (PANEL outputs x 2 inputs) to 16 bits and
+ * multiplies each output's pair by the pair (x[k], x[k + 1]) of a row, broadcast as one
+ * 32-bit word (vpmaddwd, or vpdpwssd with VNNI), into a 32-bit sum per output: no horizontal
+ * sums, and a block of rows reuses each widened vector. The sums are the row-major kernel's
+ * exact integers (moved into 64 bits every I8_BLOCK inputs, before a 32-bit lane could
+ * overflow: 256 products of |w| <= 127 and |x| <= XQ_LIMIT), scaled as it scales them, so the
+ * two layouts give the same bits. Rows as the bf16 panels take them: one row four panels at
+ * a time, two to four rows two, more in blocks of I8_MR rows. */
+#if defined(VL) && defined(IL) && IL == 2 * VL
+#define I8_PANELS 1
+#define I8_BLOCK 256
+#if VL == 16
+#define I8_MR 12
+#define VI_BCAST32(v) _mm512_set1_epi32(v)
+static inline void vi_add64(__m512i v, int64_t *dst) {
+    __m512i *d = (__m512i *)dst;
+    _mm512_storeu_si512(d, _mm512_add_epi64(_mm512_loadu_si512(d),
+                        _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v))));
+    _mm512_storeu_si512(d + 1, _mm512_add_epi64(_mm512_loadu_si512(d + 1),
+                        _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+#else
+#define I8_MR 6
+#define VI_BCAST32(v) _mm256_set1_epi32(v)
+static inline void vi_add64(__m256i v, int64_t *dst) {
+    __m256i *d = (__m256i *)dst;
+    _mm256_storeu_si256(d, _mm256_add_epi64(_mm256_loadu_si256(d),
+                        _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v))));
+    _mm256_storeu_si256(d + 1, _mm256_add_epi64(_mm256_loadu_si256(d + 1),
+                        _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1))));
+}
+#endif
+
+/* R rows of xq (int16, row stride K; K even) times NP consecutive panels from p: exact sums
+ * into out[NP][M][PANEL] (rows 0..R-1 of it, out at the block's first row). */
+#define DEFINE_I8_PANEL_GROUP(R, NP)                                                          \
+static inline __attribute__((always_inline)) void                                            \
+i8_panel_group_##R##_##NP(const int8_t *p, int64_t K, const int16_t *xq, int64_t *out,     \
+                          int64_t M) {                                                        \
+    for (int j = 0; j < NP; j++)                                                              \
+        for (int i = 0; i < R; i++)                                                           \
+            for (int l = 0; l < PANEL; l++) out[(j * M + i) * PANEL + l] = 0;                 \
+    for (int64_t k0 = 0; k0 < K; k0 += I8_BLOCK) {                                            \
+        vi acc[NP][R][2];                                                                     \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                  \
+            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++)                              \
+                acc[j][i][0] = acc[j][i][1] = VI_ZERO();                                      \
+        const int64_t kend = K - k0 < I8_BLOCK ? K : k0 + I8_BLOCK;                           \
+        for (int64_t k = k0; k < kend; k += 2)                                                \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                            \
+                const int8_t *pj = p + (j * K + k) * PANEL;                                   \
+                if (((k * PANEL) & 63) == 0)                                                  \
+                    _mm_prefetch((const char *)pj + PANEL_PREFETCH, _MM_HINT_T0);              \
+                const vi lo = VI_LOAD_W(pj), hi = VI_LOAD_W(pj + IL);                         \
+                _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                        \
+                    int32_t pair;                                                             \
+                    memcpy(&pair, xq + i * K + k, sizeof pair);                               \
+                    const vi b = VI_BCAST32(pair);                                            \
+                    acc[j][i][0] = VI_DOT(acc[j][i][0], lo, b);                               \
+                    acc[j][i][1] = VI_DOT(acc[j][i][1], hi, b);                               \
+                }                                                                             \
+            }                                                                                 \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                  \
+            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                            \
+                vi_add64(acc[j][i][0], out + (j * M + i) * PANEL);                            \
+                vi_add64(acc[j][i][1], out + (j * M + i) * PANEL + VL);                       \
+            }                                                                                 \
+    }                                                                                         \
+}
+DEFINE_I8_PANEL_GROUP(1, 4)
+DEFINE_I8_PANEL_GROUP(1, 2)
+DEFINE_I8_PANEL_GROUP(2, 2)
+DEFINE_I8_PANEL_GROUP(1, 1)
+DEFINE_I8_PANEL_GROUP(2, 1)
+DEFINE_I8_PANEL_GROUP(3, 1)
+DEFINE_I8_PANEL_GROUP(4, 1)
+DEFINE_I8_PANEL_GROUP(5, 1)
+DEFINE_I8_PANEL_GROUP(6, 1)
+#if I8_MR > 6
+DEFINE_I8_PANEL_GROUP(7, 1)
+DEFINE_I8_PANEL_GROUP(8, 1)
+DEFINE_I8_PANEL_GROUP(9, 1)
+DEFINE_I8_PANEL_GROUP(10, 1)
+DEFINE_I8_PANEL_GROUP(11, 1)
+DEFINE_I8_PANEL_GROUP(12, 1)
+#endif
+
+/* xq (M rows) times one panel into out[M][PANEL]: blocks of at most I8_MR rows, as even as
+ * they come. */
+static void i8_panel_rows(const int8_t *p, int64_t K, const int16_t *xq, int64_t M,
+                          int64_t *out) {
+    const int64_t blocks = (M + I8_MR - 1) / I8_MR;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        const int64_t r = (M - m0) / (blocks - b);
+        const int16_t *xb = xq + m0 * K;
+        int64_t *ob = out + m0 * PANEL;
+        switch (r) {
+            case 1: i8_panel_group_1_1(p, K, xb, ob, M); break;
+            case 2: i8_panel_group_2_1(p, K, xb, ob, M); break;
+            case 3: i8_panel_group_3_1(p, K, xb, ob, M); break;
+            case 4: i8_panel_group_4_1(p, K, xb, ob, M); break;
+            case 5: i8_panel_group_5_1(p, K, xb, ob, M); break;
+#if I8_MR > 6
+            case 6: i8_panel_group_6_1(p, K, xb, ob, M); break;
+            case 7: i8_panel_group_7_1(p, K, xb, ob, M); break;
+            case 8: i8_panel_group_8_1(p, K, xb, ob, M); break;
+            case 9: i8_panel_group_9_1(p, K, xb, ob, M); break;
+            case 10: i8_panel_group_10_1(p, K, xb, ob, M); break;
+            case 11: i8_panel_group_11_1(p, K, xb, ob, M); break;
+            default: i8_panel_group_12_1(p, K, xb, ob, M); break;
+#else
+            default: i8_panel_group_6_1(p, K, xb, ob, M); break;
+#endif
+        }
+        m0 += r;
+    }
+}
+#endif
+
+/* int8 W [N, K] row-major into int8 panels (above); N % gemv_panel_width() == 0, K even.
+ * Returns 0, or 2 where this build has no int8 panel path. */
+int pack_i8_panels(const int8_t *w, int64_t N, int64_t K, int8_t *out) {
+#ifdef I8_PANELS
+    if (N % PANEL || K % 2) return 2;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t k = 0; k < K; k += 2)
+            for (int64_t j = 0; j < PANEL; j++) {
+                int8_t *o = out + (p * K + k) * PANEL + 2 * j;
+                o[0] = w[(p * PANEL + j) * K + k];
+                o[1] = w[(p * PANEL + j) * K + k + 1];
+            }
+    return 0;
+#else
+    (void)w, (void)N, (void)K, (void)out;
+    return 2;
+#endif
+}
+
 /* Up to how many rows of x bf16 products run on the tile unit here (0: none). */
 int gemv_amx_rows(void) {
 #ifdef KVFLOW_AMX
@@ -750,12 +896,17 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
-    const int esize = wtype == T_F32 ? 4 : wtype == T_I8 ? 1 : 2;
-    const int panels = wtype == T_BF16_PANELS;
+    const int esize = wtype == T_F32 ? 4 : wtype == T_I8 || wtype == T_I8_PANELS ? 1 : 2;
+    const int panels = wtype == T_BF16_PANELS, i8_panels = wtype == T_I8_PANELS;
 #ifdef VL
     if (panels && (N % PANEL || scales != NULL)) return 2;
 #else
     if (panels) return 2;
+#endif
+#ifdef I8_PANELS
+    if (i8_panels && (N % PANEL || K % 2 || scales == NULL)) return 2;
+#else
+    if (i8_panels) return 2;
 #endif
     if (wtype == T_BF16_AMX) {
 #ifdef KVFLOW_AMX
@@ -774,7 +925,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     const int pairs = 0;
 #endif
     /* x as contiguous rows: float32, bf16 for vdpbf16ps, or integers for int8 weights. */
-    const int ints = wtype == T_I8;
+    const int ints = wtype == T_I8 || i8_panels;
     const size_t xbytes = ((size_t)(M * K) * (pairs || ints ? 2 : 4) + 63) & ~(size_t)63;
     void *xs = malloc(xbytes + (size_t)M * sizeof(float));
     if (xs == NULL) return 1;
@@ -805,6 +956,49 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         if (ints) xscale[m] = quantize_x(x, xtype, ldx, m, in_scale, K, peak, xq_max(K),
                                          (int16_t *)xs + m * K);
     }
+#ifdef I8_PANELS
+    if (i8_panels) {
+        const int64_t num_panels = N / PANEL;
+        const int16_t *xq = (const int16_t *)xs;
+        int failed = 0;
+        #pragma omp parallel if (N * K > 65536)
+        {
+            int64_t *sums = malloc((size_t)(M <= 4 ? 4 * M : M) * PANEL * sizeof(int64_t));
+            if (sums == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            /* As the bf16 panels: groups of 4 panels at one row, 2 at two to four, else 1. */
+            const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
+            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t end = num_panels * (me + 1) / threads;
+            for (int64_t p0 = num_panels * me / threads, np; p0 < end && sums != NULL;
+                 p0 += np) {
+                np = end - p0 >= group ? group : 1;
+                const int8_t *wp = (const int8_t *)w + p0 * K * PANEL;
+                if (np == 4) i8_panel_group_1_4(wp, K, xq, sums, M);
+                else if (np == 2)                  /* rows in pairs, the odd one alone */
+                    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                        if (M - m0 >= 2)
+                            i8_panel_group_2_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
+                        else i8_panel_group_1_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
+                    }
+                else i8_panel_rows(wp, K, xq, M, sums);
+                for (int64_t q = 0; q < np; q++)              /* sums: [np][M][PANEL] */
+                    for (int64_t m = 0; m < M; m++)
+                        for (int64_t j = 0; j < PANEL; j++) {     /* as the row-major path */
+                            const int64_t n = (p0 + q) * PANEL + j;
+                            const float a = (float)sums[(q * M + m) * PANEL + j] * xscale[m];
+                            const float b = bias ? bias[n] : 0.0f;
+                            store_out(out, otype, m * ldo + n, __builtin_fmaf(a, scales[n], b));
+                        }
+            }
+            free(sums);
+        }
+        free(xs);
+        return failed;
+    }
+#endif
 #ifdef VL
     if (panels) {
         const int64_t num_panels = N / PANEL;
@@ -816,16 +1010,15 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One row: groups of 4 panels; two to four: 2 (the last ones alone); else 1.
-             * Each thread takes a contiguous range of these units (as schedule(static)). */
+            /* One row: groups of 4 panels; two to four: 2 (a range's last ones alone); else
+             * 1. Each thread takes a contiguous range of panels: an even split of the panels,
+             * not of the groups (SmolLM2's 576 outputs on AVX-512 are 18 panels: split by
+             * groups of 4, one thread had 12 and the other 6). */
             const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
-            const int64_t whole = num_panels / group, units = whole + num_panels % group;
             const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-            const int64_t first = units * me / threads, end = units * (me + 1) / threads;
-            for (int64_t unit = first; unit < end; unit++) {
-                if (acc == NULL) continue;
-                const int64_t p0 = unit < whole ? unit * group : whole * group + (unit - whole);
-                const int64_t np = unit < whole ? group : 1;
+            const int64_t end = num_panels * (me + 1) / threads;
+            for (int64_t p0 = num_panels * me / threads, np; p0 < end && acc != NULL; p0 += np) {
+                np = end - p0 >= group ? group : 1;
                 const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
                 const float *xf = (const float *)xs;
                 if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
@@ -835,7 +1028,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                             panel_group_2_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
                         else panel_group_1_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
                     }
-                else panel_rows(wp, K, xf, M, acc, unit + 1 < end ? wp + K * PANEL : NULL);
+                else panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL);
                 for (int64_t q = 0; q < np; q++)               /* acc: [np][M][PANEL] */
                     for (int64_t m = 0; m < M; m++)
                         for (int64_t j = 0; j < PANEL; j++) {
@@ -885,8 +1078,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 dot_tile_bf16((const uint16_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
             for (int64_t r = 0; r < nr; r++) {
                 const float s = scales ? scales[n0 + r] : 1.0f, b = bias ? bias[n0 + r] : 0.0f;
-                for (int64_t m = 0; m < mr; m++)
-                    store_out(out, otype, (m0 + m) * ldo + n0 + r, acc[r][m] * s + b);
+                for (int64_t m = 0; m < mr; m++)      /* one rounding, as the int8 panels */
+                    store_out(out, otype, (m0 + m) * ldo + n0 + r, __builtin_fmaf(acc[r][m], s, b));
             }
         }
     }

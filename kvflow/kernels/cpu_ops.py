@@ -166,6 +166,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gemv_amx_rows.restype, lib.gemv_amx_rows.argtypes = ctypes.c_int, []
     lib.gemv_panel_width.restype, lib.gemv_panel_width.argtypes = ctypes.c_int, []
     lib.pack_panels.restype, lib.pack_panels.argtypes = None, [ptr, i64, i64, ptr]
+    lib.pack_i8_panels.restype, lib.pack_i8_panels.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.attention_work_items.restype = i64
     lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     return lib
@@ -264,12 +265,16 @@ KV_BF16 = (torch.float32, torch.bfloat16)
 
 
 # cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
-# bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels).
+# bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels; int8:
+# pack_i8_panels).
 GEMV_LAYOUTS = {"amx": 3, "panels": 4}
+I8_PANELS = 5
 
 
 def gemv_type(weight: torch.Tensor, layout: str = "rows") -> int:
     """cpu_gemv.c's code for a weight: its dtype's when row-major ("rows"), else its layout's."""
+    if layout == "panels" and weight.dtype == torch.int8:
+        return I8_PANELS
     return GEMV_TYPES[weight.dtype] if layout == "rows" else GEMV_LAYOUTS[layout]
 
 
@@ -301,14 +306,31 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def pack_i8_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """An int8 weight [N, K] (row-major, the gemv kernel's W8A16 rows) in the int8 panels
+    cpu_gemv.c streams as one run per panel (`gemv(..., layout="panels")`; the same results
+    as the row-major layout, read faster), or None where it cannot (no vector path in this
+    build, N not a multiple of the panel width, K odd). Shape [N, K] kept."""
+    lib = library()
+    width = 0 if lib is None else int(lib.gemv_panel_width())
+    n, k = weight.shape
+    if lib is None or width == 0 or weight.dtype != torch.int8 or n % width or k % 2:
+        return None
+    weight = weight.contiguous()
+    out = torch.empty_like(weight)
+    if lib.pack_i8_panels(weight.data_ptr(), n, k, out.data_ptr()):
+        return None
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          in_scale: torch.Tensor | None = None, layout: str = "rows") -> torch.Tensor:
     """(x * in_scale) W^T (+ bias) for a few rows of x, streaming W once (cpu_gemv.c):
     x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
-    `scales` [N] float32: W ~ int8 * scale per row), or bfloat16 packed by `pack_amx`
-    (layout="amx", x bfloat16) or by `pack_panels` (layout="panels"); in_scale [K] float32
-    or None; bias [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
+    `scales` [N] float32: W ~ int8 * scale per row), or packed by `pack_amx` (bfloat16,
+    layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"); in_scale
+    [K] float32 or None; bias [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
     n = weight.shape[0]

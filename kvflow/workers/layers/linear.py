@@ -178,7 +178,8 @@ def gemv_operands(prepared: Any) -> GemvOperands | None:
     if isinstance(prepared, GemvWeight):
         return GemvOperands(prepared.plain, None, None, prepared.layout)
     if isinstance(prepared, Int8Weight) and prepared.rows is not None:
-        return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale)
+        return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale,
+                            prepared.layout)
     return None
 
 
@@ -240,9 +241,10 @@ class Int8Weight(NamedTuple):
     # SmoothQuant's input scale, applied to x instead. Smoothing moves activation outliers
     # into the weights, which helps W8A8 and hurts int8 weights under fine x (measured: 16
     # of 64 greedy tokens tracked HF float32 with the smoothed weights, 47 without).
-    rows: torch.Tensor | None = None          # int8 [out, in] row-major
+    rows: torch.Tensor | None = None          # int8 [out, in], in `layout`
     row_scales: torch.Tensor | None = None    # float32 [out]
     in_scale: torch.Tensor | None = None      # float32 [in], or None
+    layout: str = "rows"                      # row-major, or "panels" (cpu_ops.pack_i8_panels)
 
 
 class Int8Linear(LinearMethod):
@@ -268,8 +270,11 @@ class Int8Linear(LinearMethod):
                  scale_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                        torch.dtype], torch.Tensor] = scale_rows_ref,
                  gemv: Callable[..., torch.Tensor] | None = None, max_rows: int = 0,
-                 weight_levels: int | None = None) -> None:
+                 weight_levels: int | None = None,
+                 pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                 ) -> None:
         self.quantize_rows = quantize_rows
+        self.pack_panels = pack_panels
         self.scale_rows = scale_rows
         self.weight_levels = (gemm_weight_levels(cpu_flags()) if weight_levels is None
                               else weight_levels)
@@ -283,13 +288,17 @@ class Int8Linear(LinearMethod):
                 ) -> Int8Weight:
         q, scales = quantize_weight(smoothed(weight, input_scale), self.weight_levels)
         rows = row_scales = in_scale = None
+        layout = "rows"
         if self.max_rows:                        # the gemv kernel's: 8 bits, unsmoothed
             rows, row_scales = ((q, scales) if input_scale is None and self.weight_levels == 127
                                 else quantize_weight(weight))
             in_scale = None if input_scale is None else input_scale.float().contiguous()
+            panels = self.pack_panels(rows) if self.pack_panels is not None else None
+            if panels is not None:               # same results, streamed as one run a panel
+                rows, layout = panels, "panels"
         return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scales,
                           torch.zeros(q.shape[0], dtype=torch.int64), rows, row_scales,
-                          in_scale)
+                          in_scale, layout)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,7 +308,7 @@ class Int8Linear(LinearMethod):
             assert self.gemv is not None
             return self.gemv(x, prepared.rows, prepared.row_scales,
                              None if bias is None else bias.float(),
-                             in_scale=prepared.in_scale)
+                             in_scale=prepared.in_scale, layout=prepared.layout)
         shape = x.shape
         q, x_scales = self.quantize_rows(x)              # 8 bits, zero point 128
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,

@@ -99,7 +99,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             raise ValueError(f"quantization='int8' cannot run: {why}")
         linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,
                                            cpu_ops.gemv,
-                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS))
+                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS),
+                                           pack_panels=cpu_ops.pack_i8_panels)
                                 if c_kernels else Int8Linear())
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
