@@ -100,6 +100,7 @@ typedef struct {
     void *attn;                           /* [T, nh d] */
     void *gate_up;                        /* [T, 2 inter] */
     void *act;                            /* [T, inter] */
+    const void *final_norm;               /* [hidden]: the model's last norm, or NULL */
 } DecodeStep;
 
 static inline int64_t esize(int32_t dtype) { return dtype == D_F32 ? 4 : 2; }
@@ -202,13 +203,21 @@ int decode_mlp(const DecodeLayer *L, DecodeStep *s) {
     return linear(s, &L->down, s->act, s->h) ? 2 : 0;
 }
 
-/* Every layer of a tensor-parallel size 1 model; h: the last MLP's output, residual: the
- * sum before it (the model's final norm adds them). 0, or the first failure's code. */
+/* The model's final norm: x = rms_norm(h + residual), residual += h. */
+int decode_final_norm(DecodeStep *s) {
+    norm_input(s, s->final_norm, 0);
+    return 0;
+}
+
+/* Every layer of a tensor-parallel size 1 model, then the final norm where final_norm is set
+ * (x: the hidden states the LM head reads), else h: the last MLP's output, residual: the sum
+ * before it. 0, or the first failure's code. */
 int decode_layers(const DecodeLayer *layers, int64_t num_layers, DecodeStep *s) {
     for (int64_t i = 0; i < num_layers; i++) {
         int status = decode_attention(&layers[i], s);
         if (!status) status = decode_mlp(&layers[i], s);
         if (status) return status;
     }
+    if (s->final_norm != NULL) decode_final_norm(s);
     return 0;
 }

@@ -51,7 +51,7 @@ class _Step(ctypes.Structure):
                 ("positions", _ptr), ("slots", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("block_tables", _ptr), ("num_tables", _i64), ("max_blocks", _i64),
                 ("table_rows", _ptr), ("context_lens", _ptr), ("q_rows", _ptr),
-                *[(name, _ptr) for name in _BUFFERS]]
+                *[(name, _ptr) for name in _BUFFERS], ("final_norm", _ptr)]
 
 
 def _library() -> Any:
@@ -62,6 +62,8 @@ def _library() -> Any:
         getattr(lib, name).argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step)]
     lib.decode_layers.restype = ctypes.c_int
     lib.decode_layers.argtypes = [ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step)]
+    lib.decode_final_norm.restype = ctypes.c_int
+    lib.decode_final_norm.argtypes = [ctypes.POINTER(_Step)]
     return lib
 
 
@@ -84,12 +86,16 @@ class FusedDecode:
                           head_dim=attn.head_dim,
                           inter=first.mlp.gate_up_proj.out_sizes[0] // tp.size)
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
+        # The model's final norm runs in the same call where it shares the layers' eps.
+        norm = model.model.norm
+        self.final_norm = norm.weight.data_ptr() if norm.eps == self.eps else None
         self.rotary = attn.rotary
         self.kv_cache = kv_cache
         self._keep: list[torch.Tensor] = []        # float32 biases the structs point into
         self.layers = (_Layer * len(layers))(*(self._layer(layer) for layer in layers))
         self._cache_ptr = 0                        # the KV cache the layers point into
-        self._buffers: dict[int, dict[str, torch.Tensor]] = {}   # by number of tokens
+        # By number of tokens (at most max_tokens): the step's struct and its buffers.
+        self._steps: dict[int, tuple[_Step, dict[str, torch.Tensor]]] = {}
 
     @staticmethod
     def unusable(model: LlamaForCausalLM) -> str | None:
@@ -143,18 +149,22 @@ class FusedDecode:
                 meta: CpuMetadata) -> torch.Tensor:
         """The model's final hidden states [num_tokens, hidden] for a decode-only step."""
         h = self.model.model.embed_tokens(input_ids)               # [tokens, hidden]
-        step, buffers = self._step(h, positions, meta)
         self._bind_caches()
-        if self.tp.size == 1:
-            self._check(self.lib.decode_layers(self.layers, len(self.layers),
-                                               ctypes.byref(step)))
+        step, buffers = self._step(h, positions, meta)
+        ref = ctypes.byref(step)
+        if self.tp.size == 1:                      # the final norm too, where it can
+            self._check(self.lib.decode_layers(self.layers, len(self.layers), ref))
         else:
             for i in range(len(self.layers)):
                 layer = ctypes.byref(self.layers[i])
-                self._check(self.lib.decode_attention(layer, ctypes.byref(step)))
+                self._check(self.lib.decode_attention(layer, ref))
                 self.tp.all_reduce(buffers["h"])
-                self._check(self.lib.decode_mlp(layer, ctypes.byref(step)))
+                self._check(self.lib.decode_mlp(layer, ref))
                 self.tp.all_reduce(buffers["h"])
+            if self.final_norm is not None:
+                self._check(self.lib.decode_final_norm(ref))
+        if self.final_norm is not None:
+            return buffers["x"]       # the final norm's output, in a buffer reused next step
         # The final norm adds the last MLP output into `residual`, a buffer reused next step.
         return self.model.model.norm.add_forward(buffers["h"], buffers["residual"])[0]
 
@@ -163,36 +173,47 @@ class FusedDecode:
         if self.kv_cache.tensor.data_ptr() == self._cache_ptr:
             return
         self._cache_ptr = self.kv_cache.tensor.data_ptr()
+        self._steps.clear()                        # their num_slots and cache dtype
         for layer, (k_cache, v_cache) in zip(self.layers, self.kv_cache.layers):
             layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
 
     def _step(self, h: torch.Tensor, positions: torch.Tensor, meta: CpuMetadata
               ) -> tuple[_Step, dict[str, torch.Tensor]]:
+        """The step's struct: built once per step size (its buffers, shapes and the cache's),
+        then only what changes each step is set."""
+        t = h.shape[0]
+        cached = self._steps.get(t)
+        if cached is None:
+            cached = self._steps[t] = self._new_step(t)
+        step, buffers = cached
+        buffers["h"].copy_(h)
+        step.first = 1
+        step.positions, step.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        step.block_tables = meta.block_tables.data_ptr()
+        step.num_tables, step.max_blocks = meta.block_tables.shape
+        step.table_rows, step.context_lens = (meta.table_rows.data_ptr(),
+                                              meta.context_lens.data_ptr())
+        step.q_rows = meta.q_rows.data_ptr()
+        # The tensors the struct points into live as long as `buffers` and `meta`.
+        return step, buffers
+
+    def _new_step(self, t: int) -> tuple[_Step, dict[str, torch.Tensor]]:
         s = self.shape
-        t, d, nh, nkv = h.shape[0], s["head_dim"], s["num_heads"], s["num_kv_heads"]
+        d, nh, nkv = s["head_dim"], s["num_heads"], s["num_kv_heads"]
         widths = dict(h=s["hidden"], residual=s["hidden"], x=s["hidden"],
                       qkv=(nh + 2 * nkv) * d, qn=nh * d, kn=nkv * d, q=nh * d, k=nkv * d,
                       attn=nh * d, gate_up=2 * s["inter"], act=s["inter"])
-        buffers = self._buffers.get(t)
-        if buffers is None:              # one set per step size (at most max_tokens sets)
-            buffers = self._buffers[t] = {name: torch.empty(t, width, dtype=self.dtype)
-                                          for name, width in widths.items()}
-        buffers["h"].copy_(h)
+        buffers = {name: torch.empty(t, width, dtype=self.dtype)
+                   for name, width in widths.items()}
         k_cache = self.kv_cache.layers[0][0]
         step = _Step(dtype=cpu_ops.GEMV_TYPES[self.dtype], first=1,
                      kv_dtype=cpu_ops.GEMV_TYPES[k_cache.dtype], num_tokens=t,
                      hidden=s["hidden"], num_heads=nh, num_kv_heads=nkv, head_dim=d,
                      inter=s["inter"], num_slots=k_cache.shape[1],
                      block_size=self.kv_cache.backend.block_size, eps=self.eps,
-                     scale=self.scale, positions=positions.data_ptr(),
-                     slots=meta.slot_mapping.data_ptr(), cos=self.rotary.cos.data_ptr(),
-                     sin=self.rotary.sin.data_ptr(), block_tables=meta.block_tables.data_ptr(),
-                     num_tables=meta.block_tables.shape[0],
-                     max_blocks=meta.block_tables.shape[1],
-                     table_rows=meta.table_rows.data_ptr(),
-                     context_lens=meta.context_lens.data_ptr(), q_rows=meta.q_rows.data_ptr(),
+                     scale=self.scale, cos=self.rotary.cos.data_ptr(),
+                     sin=self.rotary.sin.data_ptr(), final_norm=self.final_norm,
                      **{name: buffers[name].data_ptr() for name in _BUFFERS})
-        # The tensors the struct points into live as long as `buffers` and `meta`.
         return step, buffers
 
     @staticmethod
