@@ -225,6 +225,26 @@ def test_without_vnni_int8_runs_w8a16_up_to_32_rows(monkeypatch: pytest.MonkeyPa
     assert calls == [m for m in (1, 9, 32, 33) if m <= method.max_rows]
 
 
+def test_int8_gemv_rows_are_held_in_panels_where_the_shape_allows(kernels: str) -> None:
+    """The engine's int8 method (choose_ops) keeps the gemv kernel's int8 rows in panels
+    where the outputs fill whole panels (the row-major copy is not kept beside them), and
+    row-major elsewhere; both give the row-major kernel's very bits at one and four rows."""
+    from kvflow.workers.layers.linear import gemv_operands
+    from kvflow.workers.layers.ops import choose_ops
+    method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8").linear
+    assert isinstance(method, Int8Linear)
+    gen = torch.Generator().manual_seed(0)
+    for n, layout in ((96, "panels"), (40, "rows")):
+        w = torch.randn(n, 576, generator=gen)
+        prepared = method.prepare(w)
+        operands = gemv_operands(prepared)
+        assert operands is not None and operands.layout == prepared.layout == layout
+        q, scales = quantize_weight(w)
+        for m in (1, 4):
+            x = torch.randn(m, 576, generator=gen)
+            assert torch.equal(method.apply(x, w, prepared), cpu_ops.gemv(x, q, scales))
+
+
 AVX2_CHECK = """
 import torch, sys
 from kvflow.workers.layers.linear import Int8Linear
