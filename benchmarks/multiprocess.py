@@ -21,7 +21,7 @@ def timed_generate(llm, prompts: list[list[int]],  # type: ignore[no-untyped-def
     """Output tok/s of the workload after a warm-up, and EngineCore's timings (multi-process
     engines; {} in-process). Shuts the LLM down."""
     from kvflow import SamplingParams
-    from kvflow.frontend.engine_client import MultiprocEngine
+    from kvflow.frontend.engine_client import InProcessEngine
     from kvflow.ipc.messages import GetTimings
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
@@ -29,8 +29,8 @@ def timed_generate(llm, prompts: list[list[int]],  # type: ignore[no-untyped-def
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert [len(o.token_ids) for o in outs] == outputs
-    timings = (llm.engine.utility(GetTimings(0)) if isinstance(llm.engine, MultiprocEngine)
-               else {})
+    timings = ({} if isinstance(llm.engine, InProcessEngine)   # else supervised processes
+               else llm.engine.utility(GetTimings(0)))
     llm.shutdown()
     return sum(outputs) / elapsed, timings
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, in_process: bool, prompts: list[list[int]],
     from kvflow import LLM
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
               max_num_seqs=args.num_requests, load_format=args.load_format,
-              in_process=in_process)
+              quantization=args.quantization, in_process=in_process)
     return timed_generate(llm, prompts, outputs)
 
 
