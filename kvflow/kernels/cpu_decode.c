@@ -101,6 +101,7 @@ typedef struct {
     void *gate_up;                        /* [T, 2 inter] */
     void *act;                            /* [T, inter] */
     const void *final_norm;               /* [hidden]: the model's last norm, or NULL */
+    float final_eps;                      /* its eps */
 } DecodeStep;
 
 static inline int64_t esize(int32_t dtype) { return dtype == D_F32 ? 4 : 2; }
@@ -205,7 +206,10 @@ int decode_mlp(const DecodeLayer *L, DecodeStep *s) {
 
 /* The model's final norm: x = rms_norm(h + residual), residual += h. */
 int decode_final_norm(DecodeStep *s) {
-    norm_input(s, s->final_norm, 0);
+    const int64_t T = s->num_tokens, H = s->hidden;
+    if (s->dtype == D_F32)
+        add_rms_norm_f32(s->h, H, s->residual, s->final_norm, T, H, s->final_eps, s->x);
+    else add_rms_norm_bf16(s->h, H, s->residual, s->final_norm, T, H, s->final_eps, s->x);
     return 0;
 }
 

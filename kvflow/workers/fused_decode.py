@@ -51,7 +51,7 @@ class _Step(ctypes.Structure):
                 ("positions", _ptr), ("slots", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("block_tables", _ptr), ("num_tables", _i64), ("max_blocks", _i64),
                 ("table_rows", _ptr), ("context_lens", _ptr), ("q_rows", _ptr),
-                *[(name, _ptr) for name in _BUFFERS], ("final_norm", _ptr)]
+                *[(name, _ptr) for name in _BUFFERS], ("final_norm", _ptr), ("final_eps", _f32)]
 
 
 def _library() -> Any:
@@ -86,9 +86,7 @@ class FusedDecode:
                           head_dim=attn.head_dim,
                           inter=first.mlp.gate_up_proj.out_sizes[0] // tp.size)
         self.eps, self.scale = first.input_layernorm.eps, attn.attn.scale
-        # The model's final norm runs in the same call where it shares the layers' eps.
-        norm = model.model.norm
-        self.final_norm = norm.weight.data_ptr() if norm.eps == self.eps else None
+        self.final_norm = model.model.norm                        # run in the same call
         self.rotary = attn.rotary
         self.kv_cache = kv_cache
         self._keep: list[torch.Tensor] = []        # float32 biases the structs point into
@@ -152,7 +150,7 @@ class FusedDecode:
         self._bind_caches()
         step, buffers = self._step(h, positions, meta)
         ref = ctypes.byref(step)
-        if self.tp.size == 1:                      # the final norm too, where it can
+        if self.tp.size == 1:                      # the final norm too
             self._check(self.lib.decode_layers(self.layers, len(self.layers), ref))
         else:
             for i in range(len(self.layers)):
@@ -161,12 +159,8 @@ class FusedDecode:
                 self.tp.all_reduce(buffers["h"])
                 self._check(self.lib.decode_mlp(layer, ref))
                 self.tp.all_reduce(buffers["h"])
-            if self.final_norm is not None:
-                self._check(self.lib.decode_final_norm(ref))
-        if self.final_norm is not None:
-            return buffers["x"]       # the final norm's output, in a buffer reused next step
-        # The final norm adds the last MLP output into `residual`, a buffer reused next step.
-        return self.model.model.norm.add_forward(buffers["h"], buffers["residual"])[0]
+            self._check(self.lib.decode_final_norm(ref))
+        return buffers["x"]           # the final norm's output, in a buffer reused next step
 
     def _bind_caches(self) -> None:
         """The KV cache's tensors (allocated after this object is built)."""
@@ -212,7 +206,9 @@ class FusedDecode:
                      inter=s["inter"], num_slots=k_cache.shape[1],
                      block_size=self.kv_cache.backend.block_size, eps=self.eps,
                      scale=self.scale, cos=self.rotary.cos.data_ptr(),
-                     sin=self.rotary.sin.data_ptr(), final_norm=self.final_norm,
+                     sin=self.rotary.sin.data_ptr(),
+                     final_norm=self.final_norm.weight.data_ptr(),
+                     final_eps=self.final_norm.eps,
                      **{name: buffers[name].data_ptr() for name in _BUFFERS})
         return step, buffers
 
