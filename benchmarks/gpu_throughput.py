@@ -17,8 +17,14 @@ batch sizes (each call replayed from a CUDA graph, as decode runs it), and a dec
 replay + LM head) against the floor of reading every weight and the batch's K/V once at copy
 bandwidth.
 
+With --multiprocess (frontend, EngineCore and worker as separate processes, as served) the
+kvflow rows also time one request alone: TPOT of a 512-token prompt's 256 greedy outputs
+((time of 257 tokens - time of 1) / 256, the median of 3); --async-scheduling runs them with
+EngineCore planning each step while the previous one runs.
+
     python benchmarks/gpu_throughput.py                  # everything (a few minutes on an H100)
     python benchmarks/gpu_throughput.py --skip-hf --skip-eager
+    python benchmarks/gpu_throughput.py --skip-hf --skip-eager --multiprocess [--async-scheduling]
 """
 from __future__ import annotations
 
@@ -125,7 +131,8 @@ def part_kvflow(model_dir: str, eager: bool, args: argparse.Namespace) -> dict:
     prompts, max_tokens = nano_vllm_workload()
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096,
               max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=eager,
-              block_size=args.block_size, in_process=not args.multiprocess)
+              block_size=args.block_size, in_process=not args.multiprocess,
+              async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
     start = time.perf_counter()
@@ -138,8 +145,26 @@ def part_kvflow(model_dir: str, eager: bool, args: argparse.Namespace) -> dict:
         result["backend"] = llm.engine.worker.backend.name                      # type: ignore
         if not eager:
             result["decode_steps"] = decode_step_figures(llm)
+    else:
+        result["tpot_ms"] = one_request_tpot(llm)
     llm.shutdown()
     return result
+
+
+def one_request_tpot(llm) -> float:  # type: ignore[no-untyped-def]
+    """Milliseconds per output token of one request alone (512-token prompt, greedy): the
+    median of 3 (time of 257 tokens - time of 1) / 256."""
+    from kvflow import SamplingParams
+    rng = random.Random(1)
+    prompt = [rng.randrange(0, 10000) for _ in range(512)]
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - start
+    runs = sorted((seconds(257) - seconds(1)) / 256 for _ in range(3))
+    return 1e3 * runs[1]
 
 
 def decode_step_figures(llm) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -231,6 +256,7 @@ def run_part(part: str, model_dir: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--model-dir", model_dir,
            "--hf-requests", str(args.hf_requests), "--block-size", str(args.block_size)]
     cmd += ["--multiprocess"] if args.multiprocess else []
+    cmd += ["--async-scheduling"] if args.async_scheduling else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     print(f"... {part}", flush=True)
@@ -252,6 +278,8 @@ def report(results: dict) -> None:
             r = results[key]
             print(f"{name:<34}{r['tok_s']:>14.0f}{r['seconds']:>10.1f}{r['num_tokens']:>10}"
                   f"   ({r.get('backend', '?')} attention, {r['num_blocks']} KV blocks)")
+            if "tpot_ms" in r:
+                print(f"{'  one request alone: TPOT ms':<34}{r['tpot_ms']:>14.2f}")
     if "hf" in results:
         r = results["hf"]
         name = f"HF transformers ({r['num_requests']} of 256)"
@@ -287,10 +315,15 @@ def main() -> None:
     parser.add_argument("--multiprocess", action="store_true",
                         help="kvflow as separate EngineCore/worker processes (default: "
                              "in-process, like nano-vllm's single process)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="with --multiprocess: EngineCore plans each step while the "
+                             "previous one runs")
     parser.add_argument("--part", choices=["graphs", "eager", "hf", "attention"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.async_scheduling and not args.multiprocess:
+        parser.error("--async-scheduling needs --multiprocess")
     if not torch.cuda.is_available():
         sys.exit("gpu_throughput.py needs a CUDA GPU")
     if args.part:

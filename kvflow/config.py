@@ -43,6 +43,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int
     max_num_batched_tokens: int
+    # The next step is planned and sent while the current one runs (docs/design.md, "Async
+    # scheduling"); the worker keeps the tokens it samples.
+    async_scheduling: bool = False
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +193,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    async_scheduling: bool = False        # plan step N+1 while step N runs (multi-process)
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
@@ -264,6 +268,14 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     if not isinstance(o.max_engine_restarts, int) or o.max_engine_restarts < 0:
         raise ValueError(f"max_engine_restarts={o.max_engine_restarts!r} must be >= 0")
     _check_tp(hf, o.tensor_parallel_size)
+    if o.async_scheduling and o.tensor_parallel_size > 1:
+        raise ValueError("async_scheduling=True needs tensor_parallel_size=1: the worker "
+                         "that samples feeds its tokens to the next step itself, and other "
+                         "ranks would not have them")
+    if o.async_scheduling and o.speculative_method is not None:
+        raise ValueError("async_scheduling=True cannot run with speculative decoding "
+                         f"(speculative_method={o.speculative_method!r}): the next step "
+                         "would need to know how many drafts were accepted")
     parallel = _parallel_config(o)
     model = ModelConfig(
         path=os.path.abspath(model_path), architecture=arch,
@@ -279,7 +291,8 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     return EngineConfig(
         model=model, cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs,
-                                  max_num_batched_tokens=o.max_num_batched_tokens),
+                                  max_num_batched_tokens=o.max_num_batched_tokens,
+                                  async_scheduling=bool(o.async_scheduling)),
         parallel=parallel,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
 
 from kvflow.config import EngineConfig
 from kvflow.core.block_manager import BlockManager
@@ -20,6 +21,9 @@ from kvflow.core.validation import check_request
 from kvflow.ipc.messages import (INTERNAL_ERROR, EngineOutputs, EngineRequest, EngineStats,
                                  FinishReason, RequestDelta, ResetPrefixCache, StepPlan,
                                  StepResult, UtilityCall, UtilityResult)
+
+if TYPE_CHECKING:
+    from kvflow.core.grammar import Grammar
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3     # steps in a row that raise: the worker is broken, not a request
@@ -40,6 +44,26 @@ class Executor(Protocol):
                 ) -> StepResult:
         """Run the plan; `masks` (when plan.masked_ids is not empty) computes the bitmask
         rows of the constrained requests: call it while the forward runs if you can."""
+
+
+class AsyncExecutor(Executor, Protocol):
+    """Async scheduling: a plan is sent while the previous one runs (the workers queue it)."""
+
+    def submit(self, plan: StepPlan) -> None:
+        """Send the plan; with plan.masked_ids, its `send_masks` must follow before the
+        next plan."""
+
+    def send_masks(self, bitmask: bytes) -> None: ...
+
+    def collect(self) -> StepResult:
+        """The result of the oldest plan submitted and not yet collected."""
+
+
+class _Running(NamedTuple):
+    """A plan sent to the workers and not yet answered (async scheduling)."""
+    plan: StepPlan
+    batch: list[Request]
+    grammars: list[Grammar]          # of plan.masked_ids, in order
 
 
 class CoreTimes:
@@ -64,7 +88,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens,
                                    config.model.max_model_len, config.model.eos_token_ids,
-                                   speculator)
+                                   speculator, config.scheduler.async_scheduling)
+        # Async scheduling (docs/design.md): plans sent and not yet answered, at most two.
+        self.running: deque[_Running] | None = (
+            deque() if config.scheduler.async_scheduling else None)
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
         self.times = CoreTimes()
         self.num_received = 0
@@ -124,7 +151,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Anything to schedule or to say (requests still compiling are not: a compile that
         ends wakes EngineCore's poll through `structured.wakeup_fd`)."""
-        return self.scheduler.has_unfinished() or bool(self.pending)
+        return self.scheduler.has_unfinished() or bool(self.pending) or bool(self.running)
 
     def take_compiled(self) -> None:
         """Queue the constrained requests whose grammar is ready; fail those that failed."""
@@ -137,11 +164,15 @@ class EngineCore:
             self.pending.append(RequestDelta(request_id, [], FinishReason.ERROR, error=error))
 
     def step(self) -> EngineOutputs:
-        """Schedule one step, execute it, and return every request's news."""
+        """Schedule one step, execute it, and return every request's news. With async
+        scheduling: send the next plan, then apply the result of the one before it."""
+        if self.running is not None:
+            return self._step_async()
         t0 = time.perf_counter()
         self.take_compiled()
         plan, batch = self.scheduler.schedule()
-        masks = self._masks(plan, batch)
+        grammars = self._grammars(plan)
+        masks = (lambda: self.structured.fill_masks(grammars)) if grammars else None
         t1 = time.perf_counter()
         deltas, self.pending = self.pending, []
         if batch or plan.forget_ids:
@@ -150,26 +181,60 @@ class EngineCore:
             except Exception as e:      # a worker died or hung in this step: name its batch
                 raise StepFailure(str(e), list(plan.scheduled_ids)) from e
             t2 = time.perf_counter()
-            if result.error is not None:
-                deltas.extend(self._step_failed(plan, result.error))
-            else:
-                self.failed_steps = 0
-                deltas.extend(self.scheduler.update(plan, batch, result))
+            deltas.extend(self._apply(plan, batch, result))
             self._record_times(t0, t1, t2)
         return EngineOutputs(deltas, self.stats())
 
-    def _masks(self, plan: StepPlan, batch: list[Request]) -> Callable[[], bytes] | None:
-        """Name the constrained requests that sample this step (plan.masked_ids) and return
-        what computes their bitmask rows (run by the executor while the forward runs)."""
-        grammars = []
-        for request, n in zip(batch, plan.num_scheduled_tokens):
-            if (request.grammar is not None
-                    and request.num_computed_tokens + n == request.num_tokens):
-                plan.masked_ids.append(request.request_id)
-                grammars.append(request.grammar)
-        if not grammars:
-            return None
-        return lambda: self.structured.fill_masks(grammars)
+    def _step_async(self) -> EngineOutputs:
+        """Plan step N+1 while step N runs (its sampled tokens counted as pending), send it,
+        then wait for step N's result and apply it. The workers start N+1 as soon as N ends;
+        EngineCore's own work (update, outputs, the next plan) overlaps N+1's forward."""
+        assert self.running is not None
+        executor: AsyncExecutor = self.executor      # type: ignore[assignment]
+        t0 = time.perf_counter()
+        self.take_compiled()
+        plan, batch = self.scheduler.schedule()
+        deltas, self.pending = self.pending, []
+        sent = bool(batch or plan.forget_ids)
+        try:
+            if sent:
+                executor.submit(plan)
+                self.running.append(_Running(plan, batch, self._grammars(plan)))
+                if len(self.running) == 1:       # nothing before it: its grammars are current
+                    self._send_masks(executor, self.running[0])
+            t1 = time.perf_counter()
+            if not self.running or (sent and len(self.running) == 1 and plan.scheduled_ids):
+                return EngineOutputs(deltas, self.stats())   # to be answered next step
+            done = self.running[0]
+            result = executor.collect()
+            self.running.popleft()
+            t2 = time.perf_counter()
+            deltas.extend(self._apply(done.plan, done.batch, result))
+            if self.running:                     # its grammars now have step N's tokens
+                self._send_masks(executor, self.running[0])
+        except StepFailure:
+            raise
+        except Exception as e:          # a worker died or hung: name every running batch
+            raise StepFailure(str(e), [i for r in self.running for i in r.plan.scheduled_ids]
+                              + (list(plan.scheduled_ids) if sent else [])) from e
+        self._record_times(t0, t1, t2)
+        return EngineOutputs(deltas, self.stats())
+
+    def _send_masks(self, executor: AsyncExecutor, running: _Running) -> None:
+        if running.grammars:
+            executor.send_masks(self.structured.fill_masks(running.grammars))
+
+    def _grammars(self, plan: StepPlan) -> list[Grammar]:
+        """The grammars of the constrained requests sampling this step (plan.masked_ids);
+        their bitmask rows go to the workers while the forward runs."""
+        return [self.scheduler.requests[i].grammar for i in plan.masked_ids]  # type: ignore[misc]
+
+    def _apply(self, plan: StepPlan, batch: list[Request], result: StepResult
+               ) -> list[RequestDelta]:
+        if result.error is not None:
+            return self._step_failed(plan, result.error)
+        self.failed_steps = 0
+        return self.scheduler.update(plan, batch, result)
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()

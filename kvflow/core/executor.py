@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from typing import Callable
 
 import zmq
@@ -105,6 +106,9 @@ class MultiprocExecutor:
             raise
         self.ipc_seconds = 0.0                       # round trip minus time inside rank 0
         self.num_steps = 0
+        # Plans sent and not yet answered (two with async scheduling): when, and their tokens.
+        self._sent: deque[tuple[float, int]] = deque()
+        self._last_result = 0.0
         self.step_timeout = config.step_timeout
         self.seconds_per_token = 0.02                # the slowest recent step, per token
         self.on_wait: Callable[[], None] | None = None   # called every TICK while waiting
@@ -188,16 +192,30 @@ class MultiprocExecutor:
                 ) -> StepResult:
         """Broadcast the plan and wait for rank 0's result; the constrained requests'
         bitmasks (`masks`) are computed while the workers run the forward, and follow the
-        plan. The watchdog: a step unfinished after step_timeout + 10 x its tokens x the
-        slowest recent time per token counts as a hung worker (WorkerFailure); a long
-        prefill is given time in proportion."""
-        start = time.perf_counter()
-        self.plans.send(plan)
+        plan."""
+        self.submit(plan)
         if masks is not None:
-            self.plans.send(StepMasks(masks()))
-        tokens = max(1, sum(plan.num_scheduled_tokens))
+            self.send_masks(masks())
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Broadcast the plan (async scheduling: while the previous one runs; the workers
+        queue it). Its StepMasks, if it has masked_ids, must follow before the next plan."""
+        self.plans.send(plan)
+        self._sent.append((time.perf_counter(), max(1, sum(plan.num_scheduled_tokens))))
+
+    def send_masks(self, bitmask: bytes) -> None:
+        self.plans.send(StepMasks(bitmask))
+
+    def collect(self) -> StepResult:
+        """Rank 0's result of the oldest plan submitted and not collected. The watchdog: a
+        step unfinished after step_timeout + 10 x its tokens x the slowest recent time per
+        token (from when it could start: its submission or the previous result) counts as a
+        hung worker (WorkerFailure); a long prefill is given time in proportion."""
+        sent, tokens = self._sent.popleft()
+        start = max(sent, self._last_result)
         limit = self.step_timeout + 10 * tokens * self.seconds_per_token
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + limit - (time.perf_counter() - start)
         while True:
             try:
                 msg = self._recv(min(deadline, time.monotonic() + TICK))
@@ -212,9 +230,10 @@ class MultiprocExecutor:
                 continue
             if isinstance(msg, StepResult):
                 break
-        elapsed = time.perf_counter() - start
+        self._last_result = time.perf_counter()
+        elapsed = self._last_result - start
         self.seconds_per_token = max(elapsed / tokens, 0.9 * self.seconds_per_token, 1e-4)
-        self.ipc_seconds += elapsed - msg.worker_seconds
+        self.ipc_seconds += max(0.0, elapsed - msg.worker_seconds)
         self.num_steps += 1
         return msg
 

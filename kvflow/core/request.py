@@ -22,7 +22,9 @@ class Request:
     """Tokens so far (prompt + output) and how many of them have KV in the cache.
 
     `num_computed_tokens` chases `num_tokens`: a prefill is a request far behind, a decode is a
-    request one token behind. `block_hashes[i]` is the chained hash of full block i.
+    request one token behind. It counts the tokens of every planned step, from the moment it is
+    planned; `num_pending` counts the tokens those steps will sample (docs/design.md, "Async
+    scheduling"). `block_hashes[i]` is the chained hash of full block i.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -36,7 +38,10 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.status = Status.WAITING
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0      # with KV, or computed by a step already planned
+        # Tokens sampled by steps still running (async scheduling): their ids are not known
+        # yet, but the next step may already compute their KV.
+        self.num_pending = 0
         self.num_cached_tokens = -1       # set once, when first scheduled
         self.queue_seconds = 0.0          # arrival (frontend's clock) to first scheduling
         self.block_ids: list[int] = []

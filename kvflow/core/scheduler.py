@@ -9,10 +9,17 @@ There are no prefill and decode phases: each request's `num_computed_tokens` cha
 one token behind. When a running request cannot get a block, the most recently admitted running
 request is preempted (blocks freed, recomputed later) and goes to the front of the queue.
 
+A step's tokens count as computed from the moment it is planned (`num_computed_tokens`
+advances in `_make_plan`); a step that reaches a request's end will sample a token, counted in
+`num_pending` until `update` learns its id. With async scheduling the next plan is made while
+a step runs: a request with a pending token is one token behind `num_tokens + num_pending`
+and decodes that unknown token, which worker holds (docs/design.md, "Async scheduling").
+
 Speculative decoding (kvflow/core/speculative.py): a decode may also carry draft tokens, which
 take budget and KV slots like any token; `update` keeps the accepted ones. Rejected drafts
-leave nothing behind: `token_ids` and `num_computed_tokens` only ever count accepted tokens,
-so no block hash covers a rejected one, and their KV slots are written again later.
+leave nothing behind: `update` takes them off `num_computed_tokens` and `token_ids` only ever
+holds accepted tokens, so no block hash covers a rejected one, and their KV slots are written
+again later.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (),
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, async_scheduling: bool = False) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -42,6 +49,9 @@ class Scheduler:
         self.forget_ids: list[str] = []       # for the workers, with the next plan
         self.num_preemptions = 0
         self.speculator = speculator
+        # Async scheduling: the worker appends the tokens it samples itself (plans never
+        # carry them back), and a plan may be made while the previous step runs.
+        self.async_scheduling = async_scheduling
         # This step's drafts by request id: how many, and their tokens where EngineCore
         # proposed them (ngram; a draft model's come from worker rank 0).
         self.num_drafts: dict[str, int] = {}
@@ -73,7 +83,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._lacking(request), budget)
+            if num_new == 0:          # its last token is still being sampled
+                i += 1
+                continue
             if speculate and num_new == 1 and self._draft(request, budget):
                 num_new = 1 + self.num_drafts[request.request_id]
                 batch.append((request, num_new))
@@ -91,6 +104,16 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget, preempted
+
+    def _lacking(self, request: Request) -> int:
+        """Tokens to compute for the request to reach its end, counting the pending ones;
+        none when the pending token is its last (max_tokens, max_model_len)."""
+        if request.num_pending and (
+                request.num_output_tokens + request.num_pending
+                >= request.sampling_params.max_tokens
+                or request.num_tokens + request.num_pending >= self.max_model_len):
+            return 0
+        return request.num_tokens + request.num_pending - request.num_computed_tokens
 
     def _draft(self, request: Request, budget: int) -> bool:
         """Give a decoding request its drafts, if it has any and their blocks fit (else it
@@ -127,6 +150,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_pending = 0           # a token sampled in flight is dropped (`update`)
         request.num_registered_blocks = 0
         request.status = Status.WAITING
         request.on_worker = False
@@ -149,8 +173,16 @@ class Scheduler:
                     request.block_ids[request.num_blocks_sent:], request.num_computed_tokens))
             request.num_tokens_sent = request.num_tokens
             request.num_blocks_sent = len(request.block_ids)
+        masked_ids = []                   # constrained requests that sample this step
+        for request, n in batch:          # planned = computed; reaching the end samples
+            request.num_computed_tokens += n
+            if (request.num_computed_tokens - self.num_drafts.get(request.request_id, 0)
+                    == request.num_tokens + request.num_pending):
+                request.num_pending += 1
+                if request.grammar is not None:
+                    masked_ids.append(request.request_id)
         plan = StepPlan(new, cached, [r.request_id for r, _ in batch], [n for _, n in batch],
-                        self.forget_ids, num_spec_tokens=self.num_drafts,
+                        self.forget_ids, masked_ids, num_spec_tokens=self.num_drafts,
                         spec_token_ids=self.drafts)
         self.forget_ids = []
         self.num_drafts, self.drafts = {}, {}
@@ -167,19 +199,24 @@ class Scheduler:
             sampled[request_id] = (at, count)
             at += count
         deltas = []
-        for request, num_new in zip(batch, plan.num_scheduled_tokens):
+        for request in batch:
+            # Finished, aborted or preempted since planned (async scheduling): its token is
+            # dropped. (A request preempted while a step of its runs is admitted again only
+            # after that step's update: the plan that preempts admits nobody.)
+            if request.status != Status.RUNNING:
+                continue
             where = sampled.get(request.request_id)
             if where is None:                # a prefill chunk that did not reach the end yet
-                request.num_computed_tokens += num_new
                 self.block_manager.cache_computed_blocks(request)
                 continue
             at, count = where
+            request.num_pending -= 1
             num_drafts = plan.num_spec_tokens.get(request.request_id, 0)
             if num_drafts:
                 assert self.speculator is not None and 1 <= count <= num_drafts + 1
                 self.speculator.record(request, num_drafts, count - 1)
             # Accepted drafts have KV now; rejected ones' slots are simply written again.
-            request.num_computed_tokens += num_new - (num_drafts - (count - 1))
+            request.num_computed_tokens -= num_drafts - (count - 1)
             new_ids = []
             for token_id in result.sampled_token_ids[at:at + count]:
                 request.token_ids.append(token_id)
@@ -187,6 +224,8 @@ class Scheduler:
                 self._check_stop(request, token_id)
                 if request.finish_reason is not None:     # never emit past a stop
                     break
+            if self.async_scheduling:        # the worker appended what it sampled itself
+                request.num_tokens_sent += count
             self.block_manager.cache_computed_blocks(request)
             logprobs = (result.logprobs[at:at + len(new_ids)]
                         if result.logprobs is not None

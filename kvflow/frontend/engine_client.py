@@ -34,6 +34,9 @@ class InProcessEngine:
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("in_process=True runs a single worker: tensor_parallel_size must "
                              f"be 1, not {config.parallel.tensor_parallel_size}")
+        if config.scheduler.async_scheduling:
+            raise ValueError("async_scheduling=True overlaps EngineCore with a worker process; "
+                             "in_process=True runs both in one thread, one after the other")
         # Imported here: the torch side stays out of the frontend until an engine is built.
         from kvflow.core.engine_core import EngineCore
         from kvflow.workers.worker import Worker

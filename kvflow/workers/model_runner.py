@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import msgspec
 import numpy as np
 import torch
 
@@ -58,7 +59,7 @@ class WorkerTimes:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, sampler: Sampler,
                  is_driver: bool, device: torch.device, dtype: torch.dtype,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, keeps_tokens: bool = False) -> None:
         self.model = model
         self.dtype = dtype
         self.backend = backend             # cache layout, attention metadata and kernels
@@ -74,26 +75,49 @@ class ModelRunner:
         # Speculative decoding with a draft model (workers/draft_model.py): it proposes the
         # drafts that the plan counts; without one they come in the plan (ngram).
         self.drafter = drafter
+        # Async scheduling (one rank): the tokens this runner samples are appended to its
+        # requests at once, since the next plan was made before they were known.
+        self.keeps_tokens = keeps_tokens
+        # Requests whose step raised: EngineCore fails them, but a plan already sent may
+        # still name them (async scheduling); they are skipped until forgotten.
+        self.dropped: set[str] = set()
 
-    def apply_plan(self, plan: StepPlan) -> None:
+    def apply_plan(self, plan: StepPlan) -> StepPlan:
+        """Follow the plan; returns it without the dropped requests (if there are any)."""
         for request_id in plan.forget_ids:
             self.requests.pop(request_id, None)
+            self.dropped.discard(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
                 len(new.token_ids) - new.num_output_tokens, new.sampling_params)
         for continuing in plan.continuing_requests:
+            if continuing.request_id in self.dropped:
+                continue
             state = self.requests[continuing.request_id]
             state.token_ids.extend(continuing.new_token_ids)
             state.block_ids.extend(continuing.new_block_ids)
             state.num_computed_tokens = continuing.num_computed_tokens
+        if not self.dropped or not self.dropped.intersection(plan.scheduled_ids):
+            return plan
+        kept = [(i, n) for i, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens)
+                if i not in self.dropped]
+        return msgspec.structs.replace(plan, scheduled_ids=[i for i, _ in kept],
+                                       num_scheduled_tokens=[n for _, n in kept])
+
+    def drop(self, request_ids: list[str]) -> None:
+        """A step of these requests raised: their state may be half-updated; forget them now
+        and skip them in plans sent before EngineCore learned it."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.dropped.add(request_id)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, masks: Callable[[], bytes] | None = None) -> StepResult:
         """`masks`: the bitmask rows of plan.masked_ids (structured outputs), asked for once
         the logits are computed (in the cluster they arrive while the forward runs)."""
         t0 = time.perf_counter()
-        self.apply_plan(plan)
+        plan = self.apply_plan(plan)
         drafts = (plan.spec_token_ids if self.drafter is None
                   else self.drafter.propose(plan, self.requests))
         if not plan.scheduled_ids:
@@ -114,6 +138,9 @@ class ModelRunner:
             result = StepResult(inputs.sampled_request_ids, ids, logprobs)
             if plan.num_spec_tokens:
                 result = self._accept(result, inputs.drafts)
+            if self.keeps_tokens:                # no drafts here (config.py refuses them)
+                for request_id, token_id in zip(result.request_ids, ids):
+                    self.requests[request_id].token_ids.append(token_id)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t0
         self.times.forward += t2 - t1
@@ -150,6 +177,9 @@ class ModelRunner:
             row_of[request_id] = row
             row += 1 + len(drafts)
         data = np.frombuffer(bitmask, dtype=np.uint8).reshape(len(masked_ids), -1)
+        if len(row_of) < len(masked_ids) and self.dropped:      # rows of dropped requests
+            keep = [j for j, i in enumerate(masked_ids) if i in row_of]
+            masked_ids, data = [masked_ids[j] for j in keep], data[keep]
         if self._byte_bias is None:       # byte value -> its 8 tokens' bias
             bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
                                  bitorder="little")

@@ -177,7 +177,7 @@ class Worker:
         sampler = Sampler(self.config.seed, self.device, self.ops.argmax,
                           self.config.model.eos_token_ids)
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
-                           self.dtype, self.drafter)
+                           self.dtype, self.drafter, self.config.scheduler.async_scheduling)
 
     def _fuse_decode_steps(self) -> None:
         """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (up to
@@ -277,4 +277,5 @@ class Worker:
         except Exception:
             logger.exception("rank %d: a step of %d request(s) failed", self.tp.rank,
                              len(plan.scheduled_ids))
+            self.runner.drop(plan.scheduled_ids)
             return StepResult([], [], error=traceback.format_exc())

@@ -1,4 +1,5 @@
-"""kvflow on a CUDA GPU: HF equality in bf16, CUDA graphs vs eager, flash-attn vs triton.
+"""kvflow on a CUDA GPU: HF equality in bf16, CUDA graphs vs eager, flash-attn vs triton, async
+scheduling vs sync.
 
 Greedy comparisons use docs/design.md §4's rule (assert_greedy_match): equal up to the first
 divergence, and there each side's token in the other's top-5, since bf16 rounding (and any
@@ -83,6 +84,20 @@ def test_graph_replay_padding_and_eager_fallback(qwen3_small: str) -> None:
     assert replays and set(replays) <= {1, 2, 4}
     eager = run(qwen3_small, prompts, params, dtype="float32", enforce_eager=True)
     assert_same_greedy(([o.token_ids for o in outs], [o.logprobs for o in outs]), eager, 0.95)
+
+
+def test_async_scheduling_matches_sync_on_gpu(qwen3_small: str) -> None:
+    """The cluster with async scheduling (EngineCore plans each step while the worker process
+    runs the previous one, CUDA graphs) against the same cluster without, float32: the same
+    greedy tokens (batches may differ: a request admitted mid-step starts a step later)."""
+    prompts = make_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=5)
+              for i in range(len(prompts))]
+    overlapped = run(qwen3_small, prompts, params, dtype="float32", in_process=False,
+                     async_scheduling=True)
+    plain = run(qwen3_small, prompts, params, dtype="float32", in_process=False)
+    assert [len(t) for t in overlapped[0]] == [8 + 4 * i for i in range(len(prompts))]
+    assert_same_greedy(overlapped, plain, min_exact=0.95)
 
 
 @pytest.mark.skipif(not flash_attn_importable(), reason="flash-attn is not installed")
