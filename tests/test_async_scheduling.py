@@ -145,3 +145,166 @@ def test_random_workload_equals_the_synchronous_engine(seed: int) -> None:
     assert num_preemptions > 0
     assert outcomes(tight) == outcomes(sync) == outcomes(roomy)
     assert {v.finish_reason for v in tight.values()} == {"stop", "length"}
+
+
+# --- the real worker ---------------------------------------------------------------------
+
+class QueuedWorker:
+    """A real Worker behind the async executor protocol, in this process: plans queue up and
+    run in order when collected, as a worker process runs them one after another, with the
+    masks that followed each."""
+
+    def __init__(self, worker) -> None:  # type: ignore[no-untyped-def]
+        self.worker = worker
+        self.num_blocks = worker.num_blocks
+        self.queue: deque[StepPlan] = deque()
+        self.masks: deque[bytes] = deque()
+        self.log: list[tuple[StepPlan, StepResult]] = []
+
+    def submit(self, plan: StepPlan) -> None:
+        self.queue.append(plan)
+
+    def send_masks(self, bitmask: bytes) -> None:
+        self.masks.append(bitmask)
+
+    def collect(self) -> StepResult:
+        plan = self.queue.popleft()
+        bitmask = self.masks.popleft() if plan.masked_ids else b""
+        result = self.worker.execute(plan, (lambda: bitmask) if plan.masked_ids else None)
+        self.log.append((plan, result))
+        return result
+
+    def execute(self, plan: StepPlan, masks=None) -> StepResult:  # type: ignore[no-untyped-def]
+        raise AssertionError("an async EngineCore only submits and collects")
+
+
+def run_requests(core: EngineCore, requests: list) -> dict[str, Outcome]:  # type: ignore[type-arg]
+    for request in requests:
+        core.add_request(request)
+    out: dict[str, Outcome] = {}
+    for _ in range(2000):
+        if not core.has_work() and not core.structured.compiling:
+            break
+        if not core.has_work():
+            core.structured.wait(0.1)
+        record(core.step(), out)
+    assert not core.has_work()
+    record(core.step(), out)             # the plan that makes the worker forget the last
+    assert not core.has_work()
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_core(default_model: str):  # type: ignore[no-untyped-def]
+    from kvflow.config import make_engine_config
+    from kvflow.workers.worker import Worker
+    config = make_engine_config(default_model, dtype="float32", kv_cache_memory_gb=0.05,
+                                max_model_len=256, async_scheduling=True)
+    worker = Worker(config)
+    yield EngineCore(config, QueuedWorker(worker)), worker
+
+
+def test_real_worker_gives_the_synchronous_engines_tokens(real_core, default_model: str  # type: ignore[no-untyped-def]
+                                                          ) -> None:
+    """The real worker (float32, fused decode) keeping its sampled tokens: greedy with EOS
+    stops, seeded sampling, penalties, logprobs and a JSON-constrained request (its masks
+    sent after the previous step's token is accepted) give exactly the tokens of the
+    synchronous in-process engine."""
+    import json
+
+    import jsonschema
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.ipc.messages import EngineRequest
+    from kvflow.sampling_params import StructuredOutputsParams
+    core, worker = real_core
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))]
+               for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=30, presence_penalty=0.5,
+                             repetition_penalty=1.2, logprobs=3),
+              SamplingParams(temperature=0.5, seed=1, max_tokens=120,
+                             structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=20)]
+    with LLM(default_model, in_process=True, dtype="float32", kv_cache_memory_gb=0.05,
+             max_model_len=256) as llm:
+        # The last request stops at its 6th token (a stop id), unknown when its 7th is planned.
+        free = llm.generate(prompts[5], params[5], use_tqdm=False)[0].token_ids
+        params[5] = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[free[5]])
+        expected = llm.generate(prompts, params, use_tqdm=False)
+    out = run_requests(core, [EngineRequest(f"r{i}", p, sp)
+                              for i, (p, sp) in enumerate(zip(prompts, params))])
+    assert [(out[f"r{i}"].token_ids, out[f"r{i}"].finish_reason) for i in range(6)] == \
+        [(e.token_ids, e.finish_reason) for e in expected]
+    assert expected[5].finish_reason == "stop" and len(expected[5].token_ids) <= 6
+    assert expected[4].finish_reason == "stop"
+    jsonschema.validate(json.loads(expected[4].text), schema)
+    assert worker.runner.requests == {}
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_planned_step_skips_them(real_core  # type: ignore[no-untyped-def]
+                                                                              ) -> None:
+    """The worker raises in a step holding token id 4242; the step planned after it (already
+    sent) names the same requests: the worker skips them, EngineCore fails exactly that
+    step's requests, and the next request runs."""
+    from kvflow import SamplingParams
+    from kvflow.ipc.messages import EngineRequest
+    from kvflow.workers import model_runner
+    core, worker = real_core
+    original = model_runner.ModelRunner.execute
+
+    def poisoned(self, plan, masks=None):  # type: ignore[no-untyped-def]
+        if any(4242 in new.token_ids for new in plan.new_requests):
+            raise RuntimeError("a poisoned batch (test)")
+        return original(self, plan, masks)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    try:
+        model_runner.ModelRunner.execute = poisoned  # type: ignore[method-assign]
+        out = run_requests(core, [EngineRequest("bad", [1, 4242, 3], greedy),
+                                  EngineRequest("bad2", [5, 6, 7], greedy)])
+        assert {k: (v.token_ids, v.finish_reason) for k, v in out.items()} == {
+            "bad": ([], "error"), "bad2": ([], "error")}
+        log = core.executor.log[-3:]     # the failed step, the one planned after it, forget
+        assert [(p.scheduled_ids, r.error is not None, r.request_ids) for p, r in log] == [
+            (["bad", "bad2"], True, []), (["bad", "bad2"], False, []), ([], False, [])]
+        assert log[-1][0].forget_ids == ["bad", "bad2"]
+        good = run_requests(core, [EngineRequest("good", [5, 6, 7], greedy)])["good"]
+    finally:
+        model_runner.ModelRunner.execute = original  # type: ignore[method-assign]
+    assert good.finish_reason == "length" and len(good.token_ids) == 6
+    assert worker.runner.requests == {} and worker.runner.dropped == set()
+
+
+def test_cluster_with_async_scheduling(default_model: str) -> None:
+    """EngineCore and a worker process (plans queued in the worker's socket, masks after
+    them): a constrained request, a seeded one and greedy ones give the in-process
+    synchronous engine's tokens; the options that cannot overlap are refused by name."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.sampling_params import StructuredOutputsParams
+    prompts = ["A sentence:", "The capital of France is", "def f(x):"]
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=
+                             StructuredOutputsParams(regex=r"[a-z]+( [a-z]+)*\.")),
+              SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0.7, seed=1, max_tokens=24, logprobs=2)]
+    options = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=256)
+    with LLM(default_model, in_process=True, **options) as llm:
+        expected = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(default_model, async_scheduling=True, **options) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.token_ids, o.finish_reason) for o in got] == \
+        [(o.token_ids, o.finish_reason) for o in expected]
+    # Batches may differ (a step planned ahead), so float32 sums may round differently.
+    for mine, theirs in zip(got[2].logprobs or [], expected[2].logprobs or []):
+        assert mine.keys() == theirs.keys()
+        assert mine == pytest.approx(theirs, abs=1e-4)
+    for bad, name in (({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+                      ({"speculative_method": "ngram"}, "speculative"),
+                      ({"in_process": True}, "in_process")):
+        with pytest.raises(ValueError, match=name):
+            LLM(default_model, async_scheduling=True, **{**options, **bad})  # type: ignore[arg-type]
