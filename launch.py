@@ -39,10 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="max requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
-    parser.add_argument("--async-scheduling", action="store_true",
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
                         help="plan and send each step while the previous one runs (EngineCore's "
                              "work overlaps the forward); a request admitted while a step runs "
-                             "starts one step later; not with --tp > 1 or speculative decoding")
+                             "starts one step later; not with --tp > 1 or speculative decoding "
+                             "(default: on where the worker runs on CUDA with --tp 1 and no "
+                             "speculative decoding, off on CPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn automatic prefix caching off")

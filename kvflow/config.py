@@ -44,8 +44,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int
     max_num_batched_tokens: int
     # The next step is planned and sent while the current one runs (docs/design.md, "Async
-    # scheduling"); the worker keeps the tokens it samples.
-    async_scheduling: bool = False
+    # scheduling"); the worker keeps the tokens it samples. None: on where the worker finds
+    # a CUDA device (it says so in WorkerReady), off on CPU.
+    async_scheduling: bool | None = None
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -193,7 +194,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    async_scheduling: bool = False        # plan step N+1 while step N runs (multi-process)
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
@@ -268,6 +269,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
     if not isinstance(o.max_engine_restarts, int) or o.max_engine_restarts < 0:
         raise ValueError(f"max_engine_restarts={o.max_engine_restarts!r} must be >= 0")
     _check_tp(hf, o.tensor_parallel_size)
+    async_scheduling = _async_scheduling(o)
     if o.async_scheduling and o.tensor_parallel_size > 1:
         raise ValueError("async_scheduling=True needs tensor_parallel_size=1: the worker "
                          "that samples feeds its tokens to the next step itself, and other "
@@ -292,12 +294,23 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         model=model, cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs,
                                   max_num_batched_tokens=o.max_num_batched_tokens,
-                                  async_scheduling=bool(o.async_scheduling)),
+                                  async_scheduling=async_scheduling),
         parallel=parallel,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
         step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
         grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)
+
+
+def _async_scheduling(o: EngineOptions) -> bool | None:
+    """None ("auto") stays None only where the worker may find a GPU and nothing rules it
+    out: on CPU it measured no faster (2 cores: EngineCore's work then competes with the
+    worker's threads instead of waiting between steps)."""
+    if o.async_scheduling is not None:
+        return bool(o.async_scheduling)
+    if o.tensor_parallel_size > 1 or o.speculative_method is not None or o.device == "cpu":
+        return False
+    return None
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -308,3 +308,17 @@ def test_cluster_with_async_scheduling(default_model: str) -> None:
                       ({"in_process": True}, "in_process")):
         with pytest.raises(ValueError, match=name):
             LLM(default_model, async_scheduling=True, **{**options, **bad})  # type: ignore[arg-type]
+
+
+def test_auto_is_decided_by_the_worker_and_off_on_cpu(default_model: str) -> None:
+    """None ("auto") stays undecided until the worker knows its device (on with CUDA), and is
+    off wherever it cannot overlap or was measured no faster (CPU)."""
+    from kvflow.config import make_engine_config
+    from kvflow.frontend.engine_client import InProcessEngine
+    auto = make_engine_config(default_model, kv_cache_memory_gb=0.05, max_model_len=256)
+    assert auto.scheduler.async_scheduling is None
+    for off in ({"device": "cpu"}, {"tensor_parallel_size": 3},
+                {"speculative_method": "ngram"}, {"async_scheduling": False}):
+        assert make_engine_config(default_model, **off).scheduler.async_scheduling is False
+    engine = InProcessEngine(auto)                 # auto in-process: the synchronous engine
+    assert engine.worker.async_scheduling is False and engine.core.running is None

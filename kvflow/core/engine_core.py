@@ -85,13 +85,15 @@ class EngineCore:
                                           cache.enable_prefix_caching)
         speculator = (Speculator(config.speculative, config.model.max_model_len)
                       if config.speculative is not None else None)
+        overlap = config.scheduler.async_scheduling    # None: as the workers decided
+        if overlap is None:
+            overlap = bool(getattr(executor, "async_scheduling", False))
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens,
                                    config.model.max_model_len, config.model.eos_token_ids,
-                                   speculator, config.scheduler.async_scheduling)
+                                   speculator, overlap)
         # Async scheduling (docs/design.md): plans sent and not yet answered, at most two.
-        self.running: deque[_Running] | None = (
-            deque() if config.scheduler.async_scheduling else None)
+        self.running: deque[_Running] | None = deque() if overlap else None
         self.pending: list[RequestDelta] = []   # replies not tied to a step (errors, aborts)
         self.times = CoreTimes()
         self.num_received = 0

@@ -98,6 +98,7 @@ class MultiprocExecutor:
             "--rank", str(rank), "--plan-address", plan_address, "--result-address",
             result_address, "--dist-address", dist_address, *control,
             "--log-level", str(logging.getLogger().level)]) for rank in parallel.node_ranks(0)]
+        self.async_scheduling = False
         try:
             self.num_blocks = self._wait_ready(time.monotonic() + self.startup_timeout)
             self._handshake(time.monotonic() + self.startup_timeout)
@@ -165,6 +166,8 @@ class MultiprocExecutor:
                 msg = self._recv(deadline)
                 if isinstance(msg, WorkerReady):
                     blocks[msg.rank] = msg.num_blocks
+                    if msg.rank == 0:        # what "auto" became: on where it found a GPU
+                        self.async_scheduling = msg.async_scheduling
         except StartupTimeout:
             absent = self.nodes.not_joined() if self.nodes else ""
             missing = sorted(set(range(self.size)) - set(blocks))

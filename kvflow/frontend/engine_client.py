@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 
+import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
@@ -37,6 +38,8 @@ class InProcessEngine:
         if config.scheduler.async_scheduling:
             raise ValueError("async_scheduling=True overlaps EngineCore with a worker process; "
                              "in_process=True runs both in one thread, one after the other")
+        config = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(
+            config.scheduler, async_scheduling=False))
         # Imported here: the torch side stays out of the frontend until an engine is built.
         from kvflow.core.engine_core import EngineCore
         from kvflow.workers.worker import Worker

@@ -163,6 +163,7 @@ class WorkerReady(_Control):
     """A worker loaded its shard and allocated its cache."""
     rank: int
     num_blocks: int
+    async_scheduling: bool = False     # what "auto" became on this rank's device
 
 
 class Ping(_Control):

@@ -63,6 +63,8 @@ class Worker:
         self.kv_cache, self.ops = self._choose_implementations()
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
         self.drafter = self._build_drafter()
+        auto = self.config.scheduler.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if auto is None else auto
         self.runner = self._make_runner()
         self.num_blocks = self._allocate_kv_cache()
         self.use_cuda_graphs = self.ops.name == "compiled" and self.backend.supports_cuda_graphs
@@ -177,7 +179,7 @@ class Worker:
         sampler = Sampler(self.config.seed, self.device, self.ops.argmax,
                           self.config.model.eos_token_ids)
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
-                           self.dtype, self.drafter, self.config.scheduler.async_scheduling)
+                           self.dtype, self.drafter, self.async_scheduling)
 
     def _fuse_decode_steps(self) -> None:
         """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (up to
@@ -199,10 +201,11 @@ class Worker:
                 else f" + fused decode steps (<= {self.runner.fused.max_tokens} tokens)"
                 if self.runner.fused is not None else "")
         logger.info("rank %d: device %s, attention backend %s%s, KV cache %s, ops %s%s, "
-                    "linear %s", self.tp.rank, self.device, self.backend.name,
+                    "linear %s, async scheduling %s", self.tp.rank, self.device,
+                    self.backend.name,
                     " (auto)" if self.config.attention_backend == "auto" else "",
                     DTYPE_NAMES[self.backend.kv_dtype], self.ops.name, fast,
-                    self.ops.linear.name)
+                    self.ops.linear.name, "on" if self.async_scheduling else "off")
 
     # --- KV cache ------------------------------------------------------------------------
 

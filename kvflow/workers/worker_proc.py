@@ -85,7 +85,7 @@ def run_worker(config: EngineConfig, args: argparse.Namespace) -> None:
         results.send(ChildFailed(f"worker {rank}", error))
         time.sleep(0.2)                              # let the message leave before we exit
         return
-    results.send(WorkerReady(rank, worker.num_blocks))
+    results.send(WorkerReady(rank, worker.num_blocks, worker.async_scheduling))
     try:
         _loop(worker, rank, plans, results, args.parent_fd)
     except Exception:
