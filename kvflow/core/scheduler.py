@@ -13,7 +13,7 @@ A step's tokens count as computed from the moment it is planned (`num_computed_t
 advances in `_make_plan`); a step that reaches a request's end will sample a token, counted in
 `num_pending` until `update` learns its id. With async scheduling the next plan is made while
 a step runs: a request with a pending token is one token behind `num_tokens + num_pending`
-and decodes that unknown token, which worker holds (docs/design.md, "Async scheduling").
+and decodes that unknown token, which the worker holds (docs/design.md, "Async scheduling").
 
 Speculative decoding (kvflow/core/speculative.py): a decode may also carry draft tokens, which
 take budget and KV slots like any token; `update` keeps the accepted ones. Rejected drafts
