@@ -205,7 +205,7 @@ class MultiprocExecutor:
         """Broadcast the plan (async scheduling: while the previous one runs; the workers
         queue it). Its StepMasks, if it has masked_ids, must follow before the next plan."""
         self.plans.send(plan)
-        self._sent.append((time.perf_counter(), max(1, sum(plan.num_scheduled_tokens))))
+        self._sent.append((time.monotonic(), max(1, sum(plan.num_scheduled_tokens))))
 
     def send_masks(self, bitmask: bytes) -> None:
         self.plans.send(StepMasks(bitmask))
@@ -218,7 +218,7 @@ class MultiprocExecutor:
         sent, tokens = self._sent.popleft()
         start = max(sent, self._last_result)
         limit = self.step_timeout + 10 * tokens * self.seconds_per_token
-        deadline = time.monotonic() + limit - (time.perf_counter() - start)
+        deadline = start + limit
         while True:
             try:
                 msg = self._recv(min(deadline, time.monotonic() + TICK))
@@ -233,7 +233,7 @@ class MultiprocExecutor:
                 continue
             if isinstance(msg, StepResult):
                 break
-        self._last_result = time.perf_counter()
+        self._last_result = time.monotonic()
         elapsed = self._last_result - start
         self.seconds_per_token = max(elapsed / tokens, 0.9 * self.seconds_per_token, 1e-4)
         self.ipc_seconds += max(0.0, elapsed - msg.worker_seconds)
