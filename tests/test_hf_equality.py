@@ -18,10 +18,13 @@ MAX_TOKENS = 32
 # layers/rotary.py.)
 LOGPROB_ATOL = 2e-3
 # A bfloat16 KV cache: rounding is discontinuous, so the two sides' float32 keys and values,
-# a few ulps apart, now and then round to neighbouring bfloat16 values; with HF's keys and
-# values rounded the same way its logprobs still differ by up to ~0.07 (mean 0.005, default
-# model, these prompts), against 0.11 (mean 0.007) from unrounded HF.
-LOGPROB_ATOL_BF16_KV = 0.1
+# a few ulps apart, now and then round to neighbouring bfloat16 values, and a flip early in a
+# sequence carries through every later step. With HF's keys and values rounded the same way
+# the differences are heavy-tailed: over these prompts (default model, 1 or 2 threads) mean
+# 0.0041-0.0050, 99th percentile 0.024-0.030, maximum 0.068-0.090 and once 0.101 (a CI run).
+# So the bulk is held tight and the single worst value loosely: against HF with unrounded keys
+# and values the mean is 0.0074, with unrounded weights (the dtype="auto" test) 0.014.
+BF16_KV_MEAN, BF16_KV_P99, BF16_KV_MAX = 0.0065, 0.05, 0.2
 
 PROMPTS = [
     "Hello, my name is",
@@ -50,14 +53,22 @@ def _check_against_hf(model_path: str, prompts: list[str], weights: torch.dtype 
         outs = llm.generate(token_prompts, params, use_tqdm=False)
     refs = hf_greedy(model_path, token_prompts, MAX_TOKENS, weights=weights, kv=kv)
     num_exact = 0
+    diffs = []
     for out, ref in zip(outs, refs):
         assert out.logprobs is not None
         n = assert_greedy_match(out.token_ids, out.logprobs, ref)
         num_exact += n
-        atol = LOGPROB_ATOL if kv is None else LOGPROB_ATOL_BF16_KV
         for i in range(n):
             for token_id, logprob in out.logprobs[i].items():
-                assert logprob == pytest.approx(float(ref.logprobs[i][token_id]), abs=atol)
+                if kv is None:
+                    assert logprob == pytest.approx(float(ref.logprobs[i][token_id]),
+                                                    abs=LOGPROB_ATOL)
+                diffs.append(abs(logprob - float(ref.logprobs[i][token_id])))
+    if kv is not None:
+        d = torch.tensor(diffs)
+        stats = (float(d.mean()), float(d.quantile(0.99)), float(d.max()))
+        assert all(s <= b for s, b in zip(stats, (BF16_KV_MEAN, BF16_KV_P99, BF16_KV_MAX))), (
+            "mean, p99, max |logprob - HF's|", stats)
     # The tie rule is for rare near-ties, not a way out: most tokens must match exactly.
     assert num_exact >= 0.9 * len(prompts) * MAX_TOKENS, num_exact
     return outs
