@@ -61,8 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["safetensors", "dummy"],
                         help="dummy: random weights of the right shapes (benchmarks)")
     parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch threads per worker (default: the CPUs / tensor-parallel "
-                             "size)")
+                        help="torch threads per worker, unbound (default: one per physical "
+                             "core this process may use, within its cgroup's CPU limit, "
+                             "split between the node's tensor-parallel ranks; a worker "
+                             "process binds to its cores)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where workers run (auto: cuda:RANK when CUDA is available)")
     parser.add_argument("--attention-backend", default="auto",

@@ -106,7 +106,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     parallel: ParallelConfig
     seed: int
     attention_backend: str         # "auto" is resolved by the worker (it needs torch, CUDA)
-    num_threads: int               # torch intra-op threads per worker process
+    num_threads: int | None        # torch threads per worker; None: workers/cpu_threads.py
     device: str = "auto"           # "auto" -> cuda:rank when CUDA is available, else cpu
     enforce_eager: bool = False    # True: no CUDA graphs for decode steps
     quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
@@ -201,7 +201,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str = "auto"          # or "bfloat16" (workers/worker.py _kv_dtype)
     load_format: str = "safetensors"      # or "dummy": random weights (benchmarks)
     attention_backend: str = "auto"
-    num_threads: int | None = None        # None: the CPUs / tensor_parallel_size
+    num_threads: int | None = None        # None: workers/cpu_threads.py chooses, per node
     device: str = "auto"
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
@@ -289,14 +289,17 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         block_size=o.block_size, enable_prefix_caching=o.enable_prefix_caching,
         kv_cache_memory_gb=o.kv_cache_memory_gb, kv_cache_dtype=o.kv_cache_dtype,
         gpu_memory_utilization=float(o.gpu_memory_utilization))
-    threads = o.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
+    if o.num_threads is not None and (isinstance(o.num_threads, bool)
+                                      or not isinstance(o.num_threads, int) or o.num_threads < 1):
+        raise ValueError(f"num_threads={o.num_threads!r} must be a positive integer (or None: "
+                         "one per physical core this process may use, split between ranks)")
     return EngineConfig(
         model=model, cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=o.max_num_seqs,
                                   max_num_batched_tokens=o.max_num_batched_tokens,
                                   async_scheduling=async_scheduling),
         parallel=parallel,
-        seed=o.seed, attention_backend=o.attention_backend, num_threads=threads, device=o.device,
+        seed=o.seed, attention_backend=o.attention_backend, num_threads=o.num_threads, device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
         step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
         grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)

@@ -37,6 +37,8 @@ class LLM:
     build, else plain `torch`); `enforce_eager=True` turns CUDA
     graphs and torch.compile off; on CUDA with `kv_cache_memory_gb=None` the KV cache takes
     what `gpu_memory_utilization` of the card leaves after the weights and a profiling step.
+    `num_threads=None`: one thread per physical core the process may use, within its cgroup's
+    CPU limit, split between a node's ranks (kvflow/workers/cpu_threads.py).
     """
 
     def __init__(self, model: str = "default", options: EngineOptions | None = None, *,

@@ -20,6 +20,7 @@ import torch
 
 from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
+from kvflow.workers import cpu_threads
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
@@ -56,9 +57,12 @@ class Worker:
     implementations (attention backend and KV cache owner, ops), build and load the model with
     them, make the runner, size and allocate the KV cache, capture CUDA graphs."""
 
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None,
+                 own_process: bool = False) -> None:
+        """own_process: the worker's own process (worker_proc), which it may bind to CPUs."""
         self.config = config
         self.tp = tp or TPGroup()
+        self.own_process = own_process
         self.device, self.dtype, self.storage_dtype = self._place()
         self.kv_cache, self.ops = self._choose_implementations()
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
@@ -86,9 +90,16 @@ class Worker:
         """The device, the compute dtype and the dtype weights and KV cache are stored in
         (hardware.DtypeChoice: bfloat16 under float32 for dtype="auto" on a CPU without
         bfloat16 arithmetic)."""
-        torch.set_num_threads(self.config.num_threads)
-        device = resolve_device(self.config.device,
-                                self.config.parallel.local_rank(self.tp.rank))
+        parallel = self.config.parallel
+        device = resolve_device(self.config.device, parallel.local_rank(self.tp.rank))
+        threads = self.config.num_threads
+        if threads is None:
+            share = cpu_threads.plan(parallel.ranks_per_node, parallel.local_rank(self.tp.rank))
+            threads = share.threads
+            if self.own_process and device.type == "cpu":
+                cpu_threads.bind(share.cpus)
+                logger.info("rank %d: %s", self.tp.rank, share.reason)
+        torch.set_num_threads(threads)
         choice = resolve_dtype(self.config.model.dtype, device, self.config.model.hf_config)
         if self.tp.rank == 0:
             log = logger.warning if choice.slow else logger.info

@@ -107,7 +107,7 @@ def _start(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[n
         device = resolve_device(config.device, parallel.local_rank(rank))
         group = join_group(config, rank, dist_address, device, announce)
         tp = TPGroup(rank, parallel.tensor_parallel_size, group)
-    return Worker(config, tp)
+    return Worker(config, tp, own_process=True)
 
 
 def join_group(config: EngineConfig, rank: int, dist_address: str,  # type: ignore[no-untyped-def]
