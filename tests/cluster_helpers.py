@@ -137,10 +137,10 @@ if sys.orig_argv[1:3] == ["-m", "kvflow.workers.worker_proc"]:
     from kvflow.workers import worker as _worker
     _init = _worker.Worker.__init__
 
-    def _fail(self, config, tp=None):
+    def _fail(self, config, tp=None, **kwargs):
         if tp is None or tp.rank == 0:
             raise RuntimeError("worker 0 failed at start-up on purpose (test fixture)")
-        _init(self, config, tp)
+        _init(self, config, tp, **kwargs)
     _worker.Worker.__init__ = _fail
 """
 
