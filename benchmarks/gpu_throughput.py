@@ -276,8 +276,9 @@ def report(results: dict) -> None:
     for name, key in (("kvflow, CUDA graphs + compile", "graphs"), ("kvflow, eager", "eager")):
         if key in results:
             r = results[key]
+            how = f"{r['backend']} attention" if "backend" in r else "separate processes"
             print(f"{name:<34}{r['tok_s']:>14.0f}{r['seconds']:>10.1f}{r['num_tokens']:>10}"
-                  f"   ({r.get('backend', '?')} attention, {r['num_blocks']} KV blocks)")
+                  f"   ({how}, {r['num_blocks']} KV blocks)")
             if "tpot_ms" in r:
                 print(f"{'  one request alone: TPOT ms':<34}{r['tpot_ms']:>14.2f}")
     if "hf" in results:
