@@ -7,10 +7,9 @@ each step, so allocating (or, after memory profiling on CUDA, reallocating) touc
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-
 import torch
+
+from kvflow.workers.huge_pages import advise
 
 from kvflow.workers.attention import AttentionBackend
 
@@ -38,34 +37,8 @@ class KVCache:
             # Zeroed: padded attention slots are masked, but 0 * NaN garbage is still NaN.
             self.tensor = torch.empty(shape, dtype=b.kv_dtype, device=b.device)
             if self.tensor.device.type == "cpu":
-                advise_huge_pages(self.tensor)
+                advise(self.tensor)     # 2 MB pages (workers/huge_pages.py)
             self.tensor.zero_()
             self.layers = [(self.tensor[0, i], self.tensor[1, i])
                            for i in range(self.num_layers)]
         self.num_blocks = num_blocks
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back a (not yet touched) CPU tensor with 2 MB pages; True if it agreed.
-    Attention reads the cache in block-sized pieces (2 KB for 16 bf16 rows of 64) anywhere in
-    it: with 4 KB pages nearly every piece is a TLB miss, and decode attention read the cache
-    ~6% slower (benchmarks/cpu_kernels.py). Linux only; where transparent huge
-    pages are off (or "never"), a no-op."""
-    madvise = getattr(_libc(), "madvise", None)
-    huge = getattr(mmap, "MADV_HUGEPAGE", None)
-    if madvise is None or huge is None:
-        return False
-    page = 2 << 20
-    start = -(-tensor.data_ptr() // page) * page
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    if end <= start:
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), huge) == 0
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None

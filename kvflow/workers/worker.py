@@ -20,7 +20,7 @@ import torch
 
 from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
-from kvflow.workers import cpu_threads
+from kvflow.workers import cpu_threads, huge_pages
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
@@ -155,6 +155,8 @@ class Worker:
             ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)
             smooth(pairs, input_absmax(model, kv_cache, [p.consumer for p in pairs], ids))
         model.finish_loading()
+        if self.device.type == "cpu":
+            huge_pages.move_decode_weights(model)
         return model.eval()
 
     def _build_drafter(self) -> Drafter | None:

@@ -38,7 +38,7 @@ class CpuBackend(AttentionBackend):
     contexts c+1 .. c+n: causal attention, cached prefix included; the kernel takes such runs
     in flash-style tiles. float32 and bfloat16. On CPUs with AMX, bfloat16 prompts of
     SDPA_MIN_ROWS tokens or more go to torch's SDPA instead (the torch backend's prefill). The
-    cache is asked for 2 MB pages (kv_cache.advise_huge_pages). The one backend whose cache
+    cache is asked for 2 MB pages (workers/huge_pages.py). The one backend whose cache
     may be bfloat16 under float32 arithmetic (kv_dtype; the kernels round K/V when storing
     and widen them when reading)."""
     name = "cpu"
