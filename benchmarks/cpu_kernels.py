@@ -6,9 +6,10 @@ against oneDNN (torch's packed linear) and against a plain memory read. For each
 copies of the matrix to exceed the caches (1 GiB) are multiplied by one row each, in turn,
 so every weight comes from memory as in a decode step; GB/s = weight bytes / time. The read
 bandwidth: a float32 sum over 1 GiB. The Python call's overhead (a few us a matrix) is
-included, which understates the small shapes.
+included, which understates the small shapes. With --huge-pages the copies (and the AMX
+tiles and panels) are in 2 MB pages, as the engine holds them; oneDNN's stay in its own.
 
-    python benchmarks/cpu_kernels.py --gemv [--isa avx2] [--rows 1]
+    python benchmarks/cpu_kernels.py --gemv [--isa avx2] [--rows 1] [--huge-pages]
 
 Otherwise the attention kernel against the torch backend, in three measurements, each with
 its baseline in the same run:
@@ -66,13 +67,21 @@ GEMV_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down
                "lm_head": (49152, 576)}                                # SmolLM2-135M
 
 
+def in_pages(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Where the copies live: 2 MB pages (workers/huge_pages.py, as the engine holds its
+    decode weights) with --huge-pages, else where torch allocated them (4 KB pages)."""
+    from kvflow.workers.huge_pages import Arena
+    return Arena().place if args.huge_pages else (lambda t: t)
+
+
 def gemv_bandwidth(args: argparse.Namespace) -> None:
     from kvflow.workers.layers.linear import OneDnnLinear, quantize_weight
     big = torch.ones(256 * 2**20)
     read = big.numel() * 4 / min(timed(big.sum, 1) for _ in range(5)) / 1e9
     del big
     print(f"read bandwidth (float32 sum over 1 GiB, {args.threads} threads): {read:.1f} GB/s; "
-          f"x: {args.rows} row(s); kernels built for {args.isa}")
+          f"x: {args.rows} row(s); kernels built for {args.isa}; weights in "
+          f"{'2 MB pages, as the engine holds them' if args.huge_pages else 'torch allocations'}")
     print(f"{'shape':10s}{'weights':>9s}{'MB':>7s}{'gemv GB/s':>11s}{'of read':>9s}"
           f"{'AMX tiles GB/s':>16s}{'panels GB/s':>13s}{'oneDNN GB/s':>13s}")
     onednn = OneDnnLinear()
@@ -86,22 +95,26 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             else:
                 weight, scales, nbytes = w.to(dtype), None, n * k * dtype.itemsize
                 x = torch.randn(args.rows, k).to(dtype)
-            copies = [weight.clone() for _ in range(max(2, min(400, 2**30 // nbytes)))]
+            n_copies = max(2, min(400, 2**30 // nbytes))
+            copies = [in_pages(args)(weight.clone()) for _ in range(n_copies)]
             ours = timed(lambda: [cpu_ops.gemv(x, c, scales) for c in copies], 3)
             tiles = "-"                      # bf16 in the AMX layout, where the CPU has it
             if dtype == torch.bfloat16 and cpu_ops.pack_amx(weight) is not None:
-                packed = [cpu_ops.pack_amx(c) for c in copies]
+                place = in_pages(args)
+                packed = [place(cpu_ops.pack_amx(c)) for c in copies]
                 t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
                 tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
             panels = "-"         # bf16 in panels under float32 x (no AVX512-BF16); int8 panels
             if dtype == torch.bfloat16 and cpu_ops.pack_panels(weight) is not None:
-                packed, xf = [cpu_ops.pack_panels(c) for c in copies], x.float()
+                place, xf = in_pages(args), x.float()
+                packed = [place(cpu_ops.pack_panels(c)) for c in copies]
                 t = timed(lambda: [cpu_ops.gemv(xf, p, layout="panels") for p in packed], 3)
                 panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
             if dtype == torch.int8 and cpu_ops.pack_i8_panels(weight) is not None:
-                packed = [cpu_ops.pack_i8_panels(c) for c in copies]     # int8 panels
+                place = in_pages(args)
+                packed = [place(cpu_ops.pack_i8_panels(c)) for c in copies]  # int8 panels
                 t = timed(lambda: [cpu_ops.gemv(x, p, scales, layout="panels")
                                    for p in packed], 3)
                 panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
@@ -180,6 +193,9 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="the decode-shaped linear's GB/s instead (see above)")
     parser.add_argument("--rows", type=int, default=1, help="--gemv: rows of x")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="--gemv: the weight copies in 2 MB pages, as the engine holds "
+                             "them (workers/huge_pages.py); else in torch's allocations")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_ops.library() is None:

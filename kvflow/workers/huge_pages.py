@@ -7,9 +7,13 @@ two-dimensional under a hypervisor), and the hardware prefetcher stops at every 
 Linux backs memory with 2 MB pages where asked (`madvise(MADV_HUGEPAGE)`, honoured when
 /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`); the weights torch
 allocates while loading are not asked, so after loading they are copied into chunks of
-memory that are. Measured: decode attention read a 4 KB-page cache ~6% slower; and (benchmarks/cpu_kernels.py --gemv --huge-pages, bfloat16 panels
-under float32 x, the AVX-512 build, 2 threads, the default model's four linears x 90 layers):
-12.2 -> 16.6 GB/s at 1 row, 5.9 -> 7.5 at 18 rows, 4.6 -> 5.7 at 32 rows.
+memory that are. Measured (this Xeon, 2 threads, each pair alternated in one session): a
+4 KB-page KV cache made decode attention ~6% slower; with the weights moved, one request's
+TPOT in-process 12.3 -> 10.7 ms as an AVX2 CPU and 12.3 -> 11.8 natively, the 32-request
+workload's decode steps ~9% faster as an AVX-512 CPU without BF16; the panels of the default
+model's four decode linears x 90 layers, streamed layer by layer at one row (AVX2 build),
+17.3 -> 19.5 GB/s. `benchmarks/cpu_kernels.py --gemv --huge-pages` streams copies of one
+shape at a time, where the gain is smaller (0-9%).
 """
 from __future__ import annotations
 
