@@ -1,17 +1,24 @@
 """2 MB pages for what decode steps stream (workers/huge_pages.py): the arena's copies are
 exact, aligned and inside memory Linux was asked to back with huge pages (the `hg` flag of
 the mapping in /proc/self/smaps); the engine's decode weights are moved there, a tied LM
-head together with its embedding (one copy, not two); where Linux refuses, nothing moves."""
+head together with its embedding (one copy, not two); where Linux refuses, nothing moves.
+Worker processes start with glibc's malloc tunable for huge pages (a user's setting kept),
+and on this machine's glibc that tunable does advise malloc's large mappings."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.workers import huge_pages
 from kvflow.workers.layers.linear import GemvWeight
+from tests.cluster_helpers import is_module
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
@@ -99,3 +106,48 @@ def test_engine_decode_weights_in_huge_pages_tied_head_once(default_model: str) 
             kept = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in moved] == [o.token_ids for o in kept]
     assert [o.logprobs for o in moved] == [o.logprobs for o in kept]
+
+
+def test_worker_env_adds_the_malloc_tunable_and_keeps_the_users() -> None:
+    env = huge_pages.worker_env({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    mine = {"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}
+    assert huge_pages.worker_env(mine)["GLIBC_TUNABLES"] == \
+        "glibc.pthread.rseq=0:glibc.malloc.hugetlb=1"
+    off = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert huge_pages.worker_env(off) == off
+
+
+def test_worker_processes_start_with_the_tunable(tiny_models: dict[str, str]) -> None:
+    with LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        workers = [p for p in psutil.Process().children(recursive=True)
+                   if is_module(p, "kvflow.workers.worker_proc")]
+        assert len(workers) == 1
+        assert "glibc.malloc.hugetlb=1" in workers[0].environ()["GLIBC_TUNABLES"]
+        out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2),
+                           use_tqdm=False)
+        assert len(out[0].token_ids) == 2
+    assert "GLIBC_TUNABLES" not in os.environ or \
+        "glibc.malloc.hugetlb=1" not in os.environ["GLIBC_TUNABLES"]       # ours untouched
+
+
+GLIBC = tuple(int(x) for x in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
+
+
+@pytest.mark.skipif(not HUGE_PAGES or GLIBC < (2, 35),
+                    reason="needs transparent huge pages and glibc >= 2.35")
+def test_the_tunable_advises_mallocs_mappings() -> None:
+    """A 64 MB torch tensor (malloc's own mmap) lies in an `hg` mapping with the tunable and
+    not without it."""
+    code = ("import torch, tests.test_huge_pages as t; x = torch.empty(64 << 20, "
+            "dtype=torch.uint8); print(t.in_advised(x, t.advised_ranges()))")
+    root = Path(__file__).resolve().parent.parent
+
+    def run(env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert run(plain) == "False"
+    assert run(huge_pages.worker_env(plain)) == "True"

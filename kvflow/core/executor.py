@@ -8,6 +8,7 @@ subscriber is connected, and this handshake guarantees no plan is lost that way.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from kvflow.ipc.messages import (ChildFailed, FromNode, FromWorker, Heartbeat, P
 from kvflow.ipc.network import host_ip, tcp_address
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, ipc_address, make_socket
+from kvflow.workers import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,8 @@ class MultiprocExecutor:
         self.procs = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
             "--rank", str(rank), "--plan-address", plan_address, "--result-address",
             result_address, "--dist-address", dist_address, *control,
-            "--log-level", str(logging.getLogger().level)]) for rank in parallel.node_ranks(0)]
+            "--log-level", str(logging.getLogger().level)], env=huge_pages.worker_env(os.environ))
+            for rank in parallel.node_ranks(0)]
         self.async_scheduling = False
         try:
             self.num_blocks = self._wait_ready(time.monotonic() + self.startup_timeout)

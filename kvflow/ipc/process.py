@@ -23,11 +23,13 @@ from kvflow.config import EngineConfig
 
 
 class Child:
-    def __init__(self, module: str, name: str, config: EngineConfig, args: list[str]) -> None:
+    def __init__(self, module: str, name: str, config: EngineConfig, args: list[str],
+                 env: dict[str, str] | None = None) -> None:
+        """env: the child's environment (default: ours)."""
         self.name = name
         read_fd, self.parent_fd = os.pipe()
         cmd = [sys.executable, "-m", module, "--parent-fd", str(read_fd), *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(read_fd,))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(read_fd,), env=env)
         os.close(read_fd)
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.msgpack.encode(config))

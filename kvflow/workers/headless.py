@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from datetime import timedelta
@@ -42,6 +43,7 @@ from kvflow.ipc.messages import ChildFailed, ClusterInfo, Heartbeat, Shutdown, T
 from kvflow.ipc.network import tcp_address, wait_reachable
 from kvflow.ipc.process import Child
 from kvflow.ipc.sockets import Channel, make_socket
+from kvflow.workers import huge_pages
 from kvflow.workers.worker_proc import CLUSTER_INFO_KEY, REFUSED_KEY
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,8 @@ def _run_node(local: EngineConfig, keys: ClusterKeys, store: Any, info: ClusterI
         children = [Child("kvflow.workers.worker_proc", f"worker {rank}", config, [
             "--rank", str(rank), "--plan-address", info.plan_address, "--result-address",
             info.result_address, "--dist-address", dist_address,
-            "--log-level", str(logging.getLogger().level)]) for rank in ranks]
+            "--log-level", str(logging.getLogger().level)], env=huge_pages.worker_env(os.environ))
+            for rank in ranks]
         logger.info("node %d: workers for ranks %s started; EngineCore at %s", p.node_rank,
                     ranks, info.control_address)
         status = _watch(control, children, ranks, p.node_rank, stopping)
