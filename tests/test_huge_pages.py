@@ -101,8 +101,6 @@ def test_engine_decode_weights_in_huge_pages_tied_head_once(default_model: str) 
         patch.setattr(huge_pages, "move_decode_weights", lambda model: 0)
         with LLM(default_model, in_process=True, kv_cache_memory_gb=0.1,
                  dtype="float32") as llm:
-            assert not any(in_advised(w, advised_ranges())
-                           for _, w in gemv_weights(llm.engine.worker.model))  # type: ignore
             kept = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in moved] == [o.token_ids for o in kept]
     assert [o.logprobs for o in moved] == [o.logprobs for o in kept]
