@@ -149,3 +149,19 @@ def test_the_tunable_advises_mallocs_mappings() -> None:
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert run(plain) == "False"
     assert run(huge_pages.worker_env(plain)) == "True"
+
+
+@pytest.mark.skipif(not HUGE_PAGES, reason="transparent huge pages are off on this machine")
+def test_moving_does_not_add_the_copies_to_the_resident_memory(default_model: str) -> None:
+    """The originals' memory goes back to the system: moving 540 MB of float32 weights
+    leaves the process's RSS within a fraction of that (without the trim: +540 MB)."""
+    from unittest import mock
+    move = huge_pages.move_decode_weights
+    with mock.patch.object(huge_pages, "move_decode_weights", lambda model: 0), \
+            LLM(default_model, in_process=True, kv_cache_memory_gb=0.05, dtype="float32",
+                enforce_eager=True) as llm:
+        before = psutil.Process().memory_info().rss
+        moved = move(llm.engine.worker.model)                        # type: ignore
+        grown = psutil.Process().memory_info().rss - before
+    assert moved > 500e6
+    assert grown < 0.2 * moved, (grown, moved)

@@ -147,6 +147,11 @@ def move_decode_weights(model: nn.Module) -> int:
         module.prepared = prepared._replace(**{field: new})
         moved += old.numel() * old.element_size()
     if moved:
+        # The originals' memory, freed, mostly stays in malloc's heap (allocations under its
+        # mmap threshold): hand it back, or the copies would add their size to the RSS.
+        trim = getattr(_libc(), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
         logger.info("%.0f MB of decode weights in 2 MB pages (%d MB asked for)",
                     moved / 1e6, arena.nbytes >> 20)
     return moved
