@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.workers.huge_pages import advise
-
 from kvflow.workers.attention import AttentionBackend
+from kvflow.workers.huge_pages import advise
 
 
 class KVCache:
