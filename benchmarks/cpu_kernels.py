@@ -95,8 +95,8 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             else:
                 weight, scales, nbytes = w.to(dtype), None, n * k * dtype.itemsize
                 x = torch.randn(args.rows, k).to(dtype)
-            n_copies = max(2, min(400, 2**30 // nbytes))
-            copies = [in_pages(args)(weight.clone()) for _ in range(n_copies)]
+            place = in_pages(args)                  # one arena for all copies, as the engine
+            copies = [place(weight.clone()) for _ in range(max(2, min(400, 2**30 // nbytes)))]
             ours = timed(lambda: [cpu_ops.gemv(x, c, scales) for c in copies], 3)
             tiles = "-"                      # bf16 in the AMX layout, where the CPU has it
             if dtype == torch.bfloat16 and cpu_ops.pack_amx(weight) is not None:
