@@ -523,6 +523,46 @@ def test_gemv_panel_layout_matches_torch(kernels: str, m: int, n: int, k: int) -
     torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
 
 
+def _whole_groups(packed: torch.Tensor) -> int:
+    """The count of groups pack_panels12 kept whole (the packed bytes' first int64)."""
+    return int(packed.view(-1)[:8].view(torch.int64)[0])
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 2), (96, 602), (64, 70)])
+def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: int) -> None:
+    """bfloat16 panels in 12 bits a weight (pack_panels12), on every build: the same bits as
+    the bfloat16 panels (which test_gemv_panel_layout_matches_torch checks against float64
+    torch) for one row (decoded in registers, four panels at once and the range's last
+    ones alone) and more (decoded into a panel, then blocks of rows), with the bias, an input
+    scale, bfloat16 x and output; K not a multiple of a group (602, 70, 2). Gaussian weights
+    take under 80% of the bfloat16 bytes; weights spread over many exponents and both signs
+    keep whole groups (raw bfloat16) and still give the same bits. Odd K and
+    output counts that are not a multiple of the panel are refused."""
+    w = torch.randn(n, k).bfloat16()
+    spread = (torch.randn(n, k) * 2.0 ** torch.randint(-60, 60, (n, k)).float()).bfloat16()
+    spread[:, : k // 2] = w[:, : k // 2]               # some groups plain, some whole
+    bias, in_scale = torch.randn(n), torch.rand(k) + 0.5
+    assert cpu_ops.pack_panels12(w[: n - 8]) is None and cpu_ops.pack_panels12(w.float()) is None
+    assert cpu_ops.pack_panels12(w[:, : k - 1].contiguous()) is None
+    for weight, whole in ((w, False), (spread, True)):
+        panels, packed = cpu_ops.pack_panels(weight), cpu_ops.pack_panels12(weight)
+        assert panels is not None and packed is not None and packed.dtype == torch.uint8
+        assert packed.shape[0] == n
+        if whole:
+            assert _whole_groups(packed) > 0
+        elif k > 2:                  # the odd group of a gaussian's tails may be kept whole
+            assert packed.numel() < 0.8 * 2 * n * k
+        for m in (1, 2, 3, 5, 7, 13, 33):
+            x = torch.randn(m, 2 * k)[:, ::2]
+            for b, s in ((bias, in_scale), (None, None)):
+                want = cpu_ops.gemv(x, panels, None, b, in_scale=s, layout="panels")
+                got = cpu_ops.gemv(x, packed, None, b, in_scale=s, layout="panels12")
+                assert torch.equal(got, want), (m, b is None)
+            xb = x.bfloat16()
+            assert torch.equal(cpu_ops.gemv(xb, packed, None, bias, layout="panels12"),
+                               cpu_ops.gemv(xb, panels, None, bias, layout="panels"))
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 13, 32, 33, 70])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 2), (96, 602)])
 def test_gemv_int8_panel_layout_gives_the_row_major_bits(kernels: str, m: int, n: int,
@@ -595,6 +635,36 @@ def test_gemv_linear_streams_bfloat16_panels_under_float32(kernels: str) -> None
             ref = x.double() @ w.double().T
             torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
                                        atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+
+
+def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
+    """With pack_panels12, GemvLinear keeps a second copy of each paneled weight in 12-bit
+    panels and reads it for one row only: the same bits as the bfloat16 panels, which more
+    rows keep reading; the fused decode path gets the copy (gemv_operands)."""
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
+    inner = OneDnnLinear() if OneDnnLinear.works(torch.float32) else LinearMethod()
+    plain = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
+                       64)
+    method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
+                        64, cpu_ops.pack_panels12)
+    assert "12-bit" in method.name and "12-bit" not in plain.name
+    w = torch.randn(96, 64).bfloat16().float()
+    prepared, reference = method.prepare(w), plain.prepare(w)
+    if prepared.layout != "panels":                     # no oneDNN: nothing is paneled
+        assert prepared.one_row is None
+        return
+    assert prepared.one_row is not None and reference.one_row is None
+    assert gemv_operands(prepared).one_row is prepared.one_row
+    bias = torch.randn(96)
+    for m in (1, 2, 7):
+        x = torch.randn(m, 64)
+        assert torch.equal(method.apply(x, w, prepared, bias), plain.apply(x, w, reference, bias))
+    calls: list[str] = []
+    method.gemv = lambda *a, layout="rows": calls.append(layout) or cpu_ops.gemv(*a, layout=layout)
+    method.apply(torch.randn(1, 64), w, prepared)
+    method.apply(torch.randn(2, 64), w, prepared)
+    assert calls == ["panels12", "panels"]
 
 
 def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:

@@ -68,6 +68,7 @@ typedef struct {
     const float *bias;            /* float32, or NULL */
     int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3, 4, 5) */
     int64_t n, k;
+    const void *one_row;          /* w in 12-bit panels (cpu_gemv.c, type 6) for one row, or NULL */
 } Linear;
 
 typedef struct {
@@ -111,6 +112,9 @@ static inline char *at(void *base, int64_t elements, int32_t dtype) {
 }
 
 static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out) {
+    if (l->one_row != NULL && s->num_tokens == 1)
+        return gemv(x, s->dtype, l->k, 1, l->one_row, 6, l->scales, l->in_scale, l->bias, l->n,
+                    l->k, out, s->dtype, l->n);
     return gemv(x, s->dtype, l->k, s->num_tokens, l->w, l->type, l->scales, l->in_scale,
                 l->bias, l->n, l->k, out, s->dtype, l->n);
 }

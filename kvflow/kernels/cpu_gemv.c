@@ -32,8 +32,10 @@
 
 /* T_BF16_AMX: bfloat16 packed for the tile unit (`pack_amx`), read only where it runs.
  * T_BF16_PANELS: bfloat16 in panels of PANEL outputs (`pack_panels`), float32 arithmetic.
- * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`). */
-enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5 };
+ * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`).
+ * T_BF16_PANELS12: the bfloat16 panels in 12 bits a weight, lossless (`pack_panels12`). */
+enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5,
+       T_BF16_PANELS12 = 6 };
 
 static inline float gemv_bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -640,11 +642,12 @@ DEFINE_PANEL_GROUP(12, 1)
  * default model), the default model's 3072 x 576 and 576 x 1536 at 16-32 rows 5-17% faster
  * on the AVX-512 and AVX2 builds, its 960 x 576 and 576 x 576 up to 5% slower, a 32-request
  * decode step 3-4% faster; with them in memory (1 GiB of copies, benchmarks/cpu_kernels.py
- * --gemv --rows 32) unchanged within the noise. One block streams its own panel. */
+ * --gemv --rows 32) unchanged within the noise. One block streams its own panel. `next` is
+ * next_bytes long (the 12-bit panels' are shorter). */
 static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, float *out,
-                       const uint16_t *next) {
+                       const void *next, int64_t next_bytes) {
     const int64_t blocks = (M + MR - 1) / MR;
-    const int64_t lines = K * PANEL * 2 / 64, share = (lines + blocks - 1) / blocks;
+    const int64_t lines = next_bytes / 64, share = (lines + blocks - 1) / blocks;
     if (blocks == 1 || share == 0) next = NULL;    /* one block: it streams its own panel */
     const int64_t per_step = (share * PANEL_PF_STEP + K - 1) / K;   /* lines a step of k */
     int64_t m0 = 0;
@@ -698,6 +701,304 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
                 o[2 * j + 1] = w[(p * PANEL + VL + j) * K + k];
             }
         }
+#else
+    (void)w, (void)N, (void)K, (void)out;
+#endif
+}
+
+/* --- bfloat16 panels in 12 bits a weight, lossless (T_BF16_PANELS12) ----------------------
+ *
+ * A bfloat16 weight is a high byte (sign and the exponent's top 7 bits) and a low byte (the
+ * exponent's last bit and the 7-bit mantissa). Within a few hundred weights of one matrix
+ * the high byte takes few values: in the default model no group of 1024 (a panel's PANEL
+ * outputs x P12_G inputs) holds more than 16 of them but one. So each group keeps a table of
+ * its (at most) 16 high bytes, and each weight its low byte and a 4-bit index into that
+ * table: 12 bits a weight and 16 bytes a group, 76% of the bfloat16 panels' bytes, with every
+ * weight's bits kept. A group with more than 16 high bytes is kept whole (raw bfloat16 words,
+ * after the groups). A one-row decode step reads its weights at the memory's speed and does
+ * little arithmetic between the bytes: fewer bytes are a shorter step.
+ *
+ * Decoding a pair of inputs (2 PANEL weights) is a handful of byte shuffles: the pair's
+ * nibbles loaded into both halves of a vector, the upper half's shifted down 4 bits, masked:
+ * 2 PANEL indices; vpshufb looks each up in the group's table (in every 128-bit lane): the
+ * high bytes; vpunpcklbw / vpunpckhbw interleave them with the low bytes into the two inputs'
+ * bfloat16 panel words. The bytes are stored in the order that makes those two unpacks give
+ * input k's PANEL words and input k+1's (p12_position). Each panel is decoded into a
+ * bfloat16 panel in L1 and multiplied there by the same code as T_BF16_PANELS, so the results
+ * are those of the bfloat16 panels bit for bit.
+ *
+ * Layout of the packed bytes (pack_panels12): an int64 count E of whole groups, E int64
+ * group numbers (panel * groups a panel + group, ascending), padding to 64 bytes; then each
+ * panel's groups, each [16 table bytes][gk PANEL low bytes][gk PANEL / 2 nibble bytes] (gk:
+ * the group's inputs, P12_G but for a panel's last group); then the E whole groups, P12_G
+ * PANEL bfloat16 words each (a panel's layout, [input][PANEL]). K must be even. */
+#if defined(VL) && (VL == 8 || defined(__AVX512BW__))
+#define P12 1
+#define P12_G (1024 / PANEL)             /* inputs a group: 64 on AVX2, 32 on AVX-512 */
+#if VL == 16
+#define P12_NIBS(p) _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p)))
+#define P12_HALVES(t) _mm512_mask_blend_epi64(0xF0, t, _mm512_srli_epi16(t, 4))
+#define P12_LOW4(t) _mm512_and_si512(t, _mm512_set1_epi8(0x0F))
+#define P12_TABLE(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define P12_LOOKUP(tab, c) _mm512_shuffle_epi8(tab, c)
+#define P12_UNPACK_LO(a, b) _mm512_unpacklo_epi8(a, b)
+#define P12_UNPACK_HI(a, b) _mm512_unpackhi_epi8(a, b)
+#define P12_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#else
+#define P12_NIBS(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define P12_HALVES(t) _mm256_blend_epi32(t, _mm256_srli_epi16(t, 4), 0xF0)
+#define P12_LOW4(t) _mm256_and_si256(t, _mm256_set1_epi8(0x0F))
+#define P12_TABLE(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define P12_LOOKUP(tab, c) _mm256_shuffle_epi8(tab, c)
+#define P12_UNPACK_LO(a, b) _mm256_unpacklo_epi8(a, b)
+#define P12_UNPACK_HI(a, b) _mm256_unpackhi_epi8(a, b)
+#define P12_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#endif
+
+static inline int64_t p12_group_bytes(int64_t gk) { return 16 + gk * PANEL * 3 / 2; }
+static inline int64_t p12_panel_bytes(int64_t K) {
+    return (K / P12_G) * p12_group_bytes(P12_G) + (K % P12_G ? p12_group_bytes(K % P12_G) : 0);
+}
+static inline int64_t p12_head_bytes(int64_t E) { return (8 + 8 * E + 63) & ~(int64_t)63; }
+
+/* Byte position p of a pair's 2 PANEL: the input (0: k, 1: k + 1) and the panel word it
+ * holds. vpunpck{l,h}bw take bytes 0-7 / 8-15 of each 128-bit lane: so lane l's first 8
+ * bytes are input k's words 8l..8l+7, its last 8 input k+1's. */
+static inline void p12_position(int64_t p, int64_t *input, int64_t *word) {
+    *input = (p % 16) / 8;
+    *word = (p / 16) * 8 + p % 8;
+}
+
+/* Panel word i (of PANEL) at input k of panel q, from row-major W [N, K]. */
+static inline uint16_t p12_word(const uint16_t *w, int64_t K, int64_t q, int64_t k, int64_t i) {
+    return w[(q * PANEL + (i % 2 ? VL + i / 2 : i / 2)) * K + k];
+}
+
+/* The group's table (its distinct high bytes, padded with the first), or 0 when it has
+ * more than 16 of them. */
+static int p12_table(const uint16_t *w, int64_t K, int64_t q, int64_t k0, int64_t gk,
+                     uint8_t table[16]) {
+    int n = 0;
+    for (int64_t k = k0; k < k0 + gk; k++)
+        for (int64_t i = 0; i < PANEL; i++) {
+            const uint8_t h = (uint8_t)(p12_word(w, K, q, k, i) >> 8);
+            int found = 0;
+            for (int j = 0; j < n && !found; j++) found = table[j] == h;
+            if (found) continue;
+            if (n == 16) return 0;
+            table[n++] = h;
+        }
+    for (int j = n; j < 16; j++) table[j] = table[0];
+    return 1;
+}
+
+/* Bytes of W [N, K] bfloat16 packed (N % PANEL == 0, K even), or 0 where it cannot be. */
+static int64_t p12_bytes(const uint16_t *w, int64_t N, int64_t K) {
+    if (N % PANEL || K % 2 || K <= 0) return 0;
+    const int64_t groups = (K + P12_G - 1) / P12_G;
+    int64_t E = 0;
+    uint8_t table[16];
+    for (int64_t q = 0; q < N / PANEL; q++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
+            E += !p12_table(w, K, q, k0, gk, table);
+        }
+    return p12_head_bytes(E) + N / PANEL * p12_panel_bytes(K) + E * P12_G * PANEL * 2;
+}
+
+/* W [N, K] bfloat16 into out (p12_bytes(w, N, K) bytes, zeroed by the caller). */
+static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t groups = (K + P12_G - 1) / P12_G;
+    int64_t E = 0;
+    uint8_t table[16];
+    for (int64_t q = 0; q < N / PANEL; q++)        /* first the whole groups' numbers */
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
+            if (!p12_table(w, K, q, k0, gk, table)) {
+                const int64_t number = q * groups + g;
+                memcpy(out + 8 + 8 * E++, &number, 8);
+            }
+        }
+    memcpy(out, &E, 8);
+    uint8_t *panel = out + p12_head_bytes(E);
+    uint16_t *whole = (uint16_t *)(panel + N / PANEL * p12_panel_bytes(K));
+    int64_t e = 0;
+    for (int64_t q = 0; q < N / PANEL; q++, panel += p12_panel_bytes(K))
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
+            uint8_t *grp = panel + g * p12_group_bytes(P12_G);
+            if (!p12_table(w, K, q, k0, gk, table)) {
+                for (int64_t k = 0; k < gk; k++)
+                    for (int64_t i = 0; i < PANEL; i++)
+                        whole[(e * P12_G + k) * PANEL + i] = p12_word(w, K, q, k0 + k, i);
+                e++;
+                continue;
+            }
+            memcpy(grp, table, 16);
+            uint8_t *lows = grp + 16, *nibs = lows + gk * PANEL;
+            for (int64_t pair = 0; pair < gk / 2; pair++)
+                for (int64_t p = 0; p < 2 * PANEL; p++) {
+                    int64_t input, word;
+                    p12_position(p, &input, &word);
+                    const uint16_t v = p12_word(w, K, q, k0 + 2 * pair + input, word);
+                    int code = 0;
+                    while (table[code] != (uint8_t)(v >> 8)) code++;
+                    lows[pair * 2 * PANEL + p] = (uint8_t)v;
+                    nibs[pair * PANEL + p % PANEL] |= (uint8_t)(p < PANEL ? code : code << 4);
+                }
+        }
+}
+
+/* Panel q of a packed W (K inputs, `groups` groups a panel) into a bfloat16 panel [K][PANEL]
+ * (`dst`), prefetching the stream `ahead` bytes on (T0) up to `end`. e: the first whole
+ * group's index in the head's list at or after this panel's (advanced past this panel's). */
+static void p12_decode(const uint8_t *packed, int64_t N, int64_t K, int64_t q, int64_t *e,
+                       uint16_t *dst, const uint8_t *end) {
+    int64_t E;
+    memcpy(&E, packed, 8);
+    const int64_t groups = (K + P12_G - 1) / P12_G;
+    const int64_t *numbers = (const int64_t *)(packed + 8);
+    const uint8_t *panel = packed + p12_head_bytes(E) + q * p12_panel_bytes(K);
+    const uint16_t *whole = (const uint16_t *)(packed + p12_head_bytes(E)
+                                               + N / PANEL * p12_panel_bytes(K));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
+        const uint8_t *grp = panel + g * p12_group_bytes(P12_G);
+        for (int64_t l = 0; l < p12_group_bytes(P12_G); l += 64)   /* the group 2 ahead */
+            if (grp + 2 * p12_group_bytes(P12_G) + l < end)
+                _mm_prefetch((const char *)grp + 2 * p12_group_bytes(P12_G) + l, _MM_HINT_T0);
+        if (*e < E && numbers[*e] == q * groups + g) {
+            memcpy(dst + k0 * PANEL, whole + *e * P12_G * PANEL, (size_t)(gk * PANEL * 2));
+            (*e)++;
+            continue;
+        }
+        const vword table = P12_TABLE(grp);
+        const uint8_t *lows = grp + 16, *nibs = lows + gk * PANEL;
+        for (int64_t pair = 0; pair < gk / 2; pair++) {
+            const vword low = VLOAD_WORDS(lows + pair * 2 * PANEL);
+            const vword high = P12_LOOKUP(table, P12_LOW4(P12_HALVES(P12_NIBS(nibs + pair * PANEL))));
+            P12_STORE(dst + (k0 + 2 * pair) * PANEL, P12_UNPACK_LO(low, high));
+            P12_STORE(dst + (k0 + 2 * pair + 1) * PANEL, P12_UNPACK_HI(low, high));
+        }
+    }
+}
+
+/* Panel q's packed bytes. */
+static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K, int64_t q) {
+    int64_t E;
+    memcpy(&E, packed, 8);
+    (void)N;
+    return (const uint8_t *)packed + p12_head_bytes(E) + q * p12_panel_bytes(K);
+}
+
+static int64_t p12_first_whole(const uint8_t *packed, int64_t number);
+
+/* One row of x times NP consecutive 12-bit panels (q0..) into out[NP][PANEL], decoding in
+ * registers: each pair of inputs of each panel is decoded and multiplied at once, NP panels
+ * side by side (as panel_group_1_4 streams four). The sums run in input order, as the
+ * bfloat16 panels' do, so the results are theirs bit for bit. Each panel's stream is
+ * prefetched two groups ahead (T0); past a panel's end, the same group of the panel NP on
+ * (the next call's), while it is below `end`. */
+#ifndef P12_AHEAD
+#define P12_AHEAD 2
+#endif
+#ifndef P12_HINT
+#define P12_HINT _MM_HINT_T0
+#endif
+#define DEFINE_P12_GROUP(NP)                                                                  \
+static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,            \
+                             int64_t end, const float *x, float *out) {                       \
+    int64_t E;                                                                                \
+    memcpy(&E, packed, 8);                                                                    \
+    const int64_t groups = (K + P12_G - 1) / P12_G, gb = p12_group_bytes(P12_G);              \
+    const int64_t *numbers = (const int64_t *)((const uint8_t *)packed + 8);                  \
+    const uint16_t *whole = (const uint16_t *)(p12_panel(packed, N, K, 0)                     \
+                                               + N / PANEL * p12_panel_bytes(K));             \
+    int64_t e[NP];                                                                            \
+    vf acc[NP][2];                                                                            \
+    for (int j = 0; j < NP; j++) {                                                            \
+        e[j] = E ? p12_first_whole(packed, (q0 + j) * groups) : 0;                             \
+        acc[j][0] = acc[j][1] = VZERO();                                                      \
+    }                                                                                         \
+    for (int64_t g = 0; g < groups; g++) {                                                    \
+        const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;                   \
+        const uint8_t *grp[NP];                                                               \
+        const uint16_t *raw[NP];                                                              \
+        vword table[NP];                                                                      \
+        const int64_t t = g + P12_AHEAD < groups ? g + P12_AHEAD : g + P12_AHEAD - groups;    \
+        const char *pf[NP];                                                                   \
+        for (int j = 0; j < NP; j++) {                                                        \
+            grp[j] = p12_panel(packed, N, K, q0 + j) + g * gb;                                \
+            const int64_t tq = q0 + j + (g + P12_AHEAD < groups ? 0 : NP);                    \
+            pf[j] = tq < end ? (const char *)p12_panel(packed, N, K, tq) + t * gb : NULL;     \
+            raw[j] = NULL;                                                                    \
+            if (e[j] < E && numbers[e[j]] == (q0 + j) * groups + g)                           \
+                raw[j] = whole + e[j]++ * P12_G * PANEL;                                      \
+            table[j] = P12_TABLE(grp[j]);                                                     \
+        }                                                                                     \
+        const int64_t per_pair = (gb / 64 + gk / 2) / (gk / 2 + 1) + 1;  /* lines a pair */  \
+        for (int64_t pair = 0, line = 0; pair < gk / 2; pair++) {                             \
+            const vf b0 = VBROADCAST(x + k0 + 2 * pair), b1 = VBROADCAST(x + k0 + 2 * pair + 1); \
+            for (int64_t l = 0; l < per_pair && line < gb; l++, line += 64)                 \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                          \
+                    if (pf[j] != NULL) _mm_prefetch(pf[j] + line, P12_HINT);                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                            \
+                vword u0, u1;                                                                 \
+                if (raw[j] == NULL) {                                                         \
+                    const uint8_t *lows = grp[j] + 16;                                        \
+                    const vword low = VLOAD_WORDS(lows + pair * 2 * PANEL);                   \
+                    const vword high = P12_LOOKUP(table[j], P12_LOW4(P12_HALVES(              \
+                        P12_NIBS(lows + gk * PANEL + pair * PANEL))));                        \
+                    u0 = P12_UNPACK_LO(low, high);                                            \
+                    u1 = P12_UNPACK_HI(low, high);                                            \
+                } else {                                                                      \
+                    u0 = VLOAD_WORDS(raw[j] + 2 * pair * PANEL);                              \
+                    u1 = VLOAD_WORDS(raw[j] + (2 * pair + 1) * PANEL);                        \
+                }                                                                             \
+                acc[j][0] = VFMA(VEVEN_BF16(u0), b0, acc[j][0]);                              \
+                acc[j][1] = VFMA(VODD_BF16(u0), b0, acc[j][1]);                               \
+                acc[j][0] = VFMA(VEVEN_BF16(u1), b1, acc[j][0]);                              \
+                acc[j][1] = VFMA(VODD_BF16(u1), b1, acc[j][1]);                               \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int j = 0; j < NP; j++) {                                                            \
+        VSTORE_F32(out + j * PANEL, acc[j][0]);                                               \
+        VSTORE_F32(out + j * PANEL + VL, acc[j][1]);                                          \
+    }                                                                                         \
+}
+DEFINE_P12_GROUP(4)
+DEFINE_P12_GROUP(1)
+
+/* The index in the head's list of the first whole group numbered `number` or after. */
+static int64_t p12_first_whole(const uint8_t *packed, int64_t number) {
+    int64_t E, lo = 0, hi;
+    memcpy(&E, packed, 8);
+    const int64_t *numbers = (const int64_t *)(packed + 8);
+    for (hi = E; lo < hi;) {
+        const int64_t mid = (lo + hi) / 2;
+        if (numbers[mid] < number) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+#endif
+
+/* Bytes of W [N, K] (bfloat16, row-major) in 12-bit panels, or 0 where this build or the
+ * shape cannot (N % PANEL, K odd). */
+int64_t panels12_bytes(const uint16_t *w, int64_t N, int64_t K) {
+#ifdef P12
+    return p12_bytes(w, N, K);
+#else
+    (void)w, (void)N, (void)K;
+    return 0;
+#endif
+}
+
+/* W into out: panels12_bytes(w, N, K) bytes, zeroed. */
+void pack_panels12(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
+#ifdef P12
+    p12_pack(w, N, K, out);
 #else
     (void)w, (void)N, (void)K, (void)out;
 #endif
@@ -862,6 +1163,25 @@ static inline void store_out(void *out, int otype, int64_t i, float v) {
     else ((uint16_t *)out)[i] = gemv_f32_to_bf16(v);
 }
 
+/* A bfloat16 row of K into float32 (a loop the compiler vectorizes). */
+static void widen_row(const uint16_t *x, int64_t K, float *out) {
+    for (int64_t k = 0; k < K; k++) out[k] = gemv_bf16_to_f32(x[k]);
+}
+
+#ifdef VL
+/* PANEL sums of one row (+ bias from output n0) into out's row at offset o: one loop per
+ * case, each of which the compiler vectorizes (store_out's test inside the loop kept it
+ * scalar). */
+static inline void store_panel(const float *acc, const float *bias, int64_t n0, void *out,
+                               int otype, int64_t o) {
+    float v[PANEL];
+    if (bias) for (int j = 0; j < PANEL; j++) v[j] = acc[j] + bias[n0 + j];
+    else memcpy(v, acc, sizeof v);
+    if (otype == T_F32) memcpy((float *)out + o + n0, v, sizeof v);
+    else for (int j = 0; j < PANEL; j++) ((uint16_t *)out)[o + n0 + j] = gemv_f32_to_bf16(v[j]);
+}
+#endif
+
 /* Row m of x (times in_scale) as integers of at most qmax into xq, given its largest
  * magnitude `peak` (inf where the row holds an inf or NaN); returns the row's scale (x ~ xq *
  * scale). A row holding an inf or NaN gets zeros and a NaN scale, so its outputs are NaN. The
@@ -897,11 +1217,17 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
     const int esize = wtype == T_F32 ? 4 : wtype == T_I8 || wtype == T_I8_PANELS ? 1 : 2;
-    const int panels = wtype == T_BF16_PANELS, i8_panels = wtype == T_I8_PANELS;
+    const int panels12 = wtype == T_BF16_PANELS12;
+    const int panels = wtype == T_BF16_PANELS || panels12, i8_panels = wtype == T_I8_PANELS;
 #ifdef VL
     if (panels && (N % PANEL || scales != NULL)) return 2;
 #else
     if (panels) return 2;
+#endif
+#ifdef P12
+    if (panels12 && K % 2) return 2;
+#else
+    if (panels12) return 2;
 #endif
 #ifdef I8_PANELS
     if (i8_panels && (N % PANEL || K % 2 || scales == NULL)) return 2;
@@ -926,11 +1252,19 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
     /* x as contiguous rows: float32, bf16 for vdpbf16ps, or integers for int8 weights. */
     const int ints = wtype == T_I8 || i8_panels;
+    /* float32 rows the kernel reads in place: no copy (split_x is the identity but for T_BF16) */
+    const int in_place = xtype == T_F32 && ldx == K && in_scale == NULL && !ints && !pairs
+                         && wtype != T_BF16;
     const size_t xbytes = ((size_t)(M * K) * (pairs || ints ? 2 : 4) + 63) & ~(size_t)63;
-    void *xs = malloc(xbytes + (size_t)M * sizeof(float));
-    if (xs == NULL) return 1;
-    float *xscale = (float *)((char *)xs + xbytes);                 /* int8: x's scale per row */
-    for (int64_t m = 0; m < M; m++) {
+    void *xs = in_place ? NULL : malloc(xbytes + (size_t)M * sizeof(float));
+    if (!in_place && xs == NULL) return 1;
+    const float *xf = in_place ? (const float *)x : (const float *)xs;
+    float *xscale = in_place ? NULL : (float *)((char *)xs + xbytes);  /* int8: x's scale a row */
+    for (int64_t m = 0; m < M && !in_place; m++) {
+        if (xtype == T_BF16 && in_scale == NULL && !ints && !pairs && wtype != T_BF16) {
+            widen_row((const uint16_t *)x + m * ldx, K, (float *)xs + m * K);
+            continue;
+        }
         float *row = (float *)xs + m * K;
         float peak = 0.0f;
         for (int64_t k = 0; k < K; k++) {
@@ -995,7 +1329,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
             }
             free(sums);
         }
-        free(xs);
+        if (xs != NULL) free(xs);
         return failed;
     }
 #endif
@@ -1006,6 +1340,15 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         #pragma omp parallel if (N * K * esize > 65536)
         {
             float *acc = malloc((size_t)(M <= 4 ? 8 : M) * PANEL * sizeof(float));
+#ifdef P12
+            /* 12-bit panels: each decoded into this bfloat16 panel, then as the others */
+            uint16_t *decoded = panels12 ? aligned_alloc(64, ((size_t)K * PANEL * 2 + 63) & ~(size_t)63)
+                                         : NULL;
+            if (panels12 && decoded == NULL) {
+                free(acc);
+                acc = NULL;
+            }
+#endif
             if (acc == NULL) {
                 #pragma omp atomic write
                 failed = 1;
@@ -1014,32 +1357,58 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
              * 1. Each thread takes a contiguous range of panels: an even split of the panels,
              * not of the groups (SmolLM2's 576 outputs on AVX-512 are 18 panels: split by
              * groups of 4, one thread had 12 and the other 6). */
-            const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
+            const int64_t group = M == 1 ? 4 : M <= 4 && !panels12 ? 2 : 1;
             const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
             const int64_t end = num_panels * (me + 1) / threads;
+#ifdef P12
+            const int64_t groups12 = (K + P12_G - 1) / P12_G;
+            int64_t whole = panels12 ? p12_first_whole(w, num_panels * me / threads * groups12) : 0;
+            const uint8_t *stream_end = NULL;
+            if (panels12) {
+                int64_t E;
+                memcpy(&E, w, 8);
+                stream_end = (const uint8_t *)w + p12_head_bytes(E) + end * p12_panel_bytes(K);
+            }
+#endif
             for (int64_t p0 = num_panels * me / threads, np; p0 < end && acc != NULL; p0 += np) {
                 np = end - p0 >= group ? group : 1;
                 const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
-                const float *xf = (const float *)xs;
-                if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
+#ifdef P12
+                if (panels12 && M > 1) {
+                    p12_decode(w, N, K, p0, &whole, decoded, stream_end);
+                    wp = decoded;
+                }
+#endif
+                if (panels12 && M == 1) {
+#ifdef P12
+                    if (np == 4) p12_group_1_4(w, N, K, p0, end, xf, acc);
+                    else p12_group_1_1(w, N, K, p0, end, xf, acc);
+#endif
+                } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
                 else if (np == 2)                  /* rows in pairs, the odd one alone */
                     for (int64_t m0 = 0; m0 < M; m0 += 2) {
                         if (M - m0 >= 2)
                             panel_group_2_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
                         else panel_group_1_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
                     }
-                else panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL);
+                else if (!panels12)
+                    panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL,
+                               K * PANEL * 2);
+#ifdef P12
+                else panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? p12_panel(w, N, K, p0 + 1) : NULL,
+                                p12_panel_bytes(K));
+#endif
                 for (int64_t q = 0; q < np; q++)               /* acc: [np][M][PANEL] */
                     for (int64_t m = 0; m < M; m++)
-                        for (int64_t j = 0; j < PANEL; j++) {
-                            const int64_t n = (p0 + q) * PANEL + j;
-                            store_out(out, otype, m * ldo + n,
-                                      acc[(q * M + m) * PANEL + j] + (bias ? bias[n] : 0.0f));
-                        }
+                        store_panel(acc + (q * M + m) * PANEL, bias, (p0 + q) * PANEL, out,
+                                    otype, m * ldo);
             }
             free(acc);
+#ifdef P12
+            free(decoded);
+#endif
         }
-        free(xs);
+        if (xs != NULL) free(xs);
         return failed;
     }
 #endif
@@ -1073,9 +1442,9 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
             else
 #endif
             if (wtype == T_F32)
-                dot_tile_f32((const float *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+                dot_tile_f32((const float *)wt, K, nr, xf + m0 * K, mr, acc);
             else
-                dot_tile_bf16((const uint16_t *)wt, K, nr, (const float *)xs + m0 * K, mr, acc);
+                dot_tile_bf16((const uint16_t *)wt, K, nr, xf + m0 * K, mr, acc);
             for (int64_t r = 0; r < nr; r++) {
                 const float s = scales ? scales[n0 + r] : 1.0f, b = bias ? bias[n0 + r] : 0.0f;
                 for (int64_t m = 0; m < mr; m++)      /* one rounding, as the int8 panels */
@@ -1083,6 +1452,6 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
             }
         }
     }
-    free(xs);
+    if (xs != NULL) free(xs);
     return 0;
 }

@@ -30,7 +30,7 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 
 class _Linear(ctypes.Structure):
     _fields_ = [("w", _ptr), ("scales", _ptr), ("in_scale", _ptr), ("bias", _ptr),
-                ("type", _i32), ("n", _i64), ("k", _i64)]
+                ("type", _i32), ("n", _i64), ("k", _i64), ("one_row", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -129,7 +129,7 @@ class FusedDecode:
         weight = operands.weight
         return _Linear(weight.data_ptr(), ptr(operands.scales), ptr(operands.in_scale),
                        ptr(bias), cpu_ops.gemv_type(weight, operands.layout), weight.shape[0],
-                       weight.shape[1])
+                       weight.shape[1], ptr(operands.one_row))
 
     def _layer(self, layer: LlamaDecoderLayer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp

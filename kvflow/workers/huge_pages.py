@@ -118,8 +118,8 @@ class Arena:
 
 
 def move_decode_weights(model: nn.Module) -> int:
-    """Every prepared weight the gemv kernel streams (layers/linear.py: GemvWeight.plain,
-    Int8Weight.rows) into huge-page memory; a module weight that shares the copy's storage
+    """Every prepared weight the gemv kernel streams (layers/linear.py: GemvWeight.plain and
+    .one_row, Int8Weight.rows) into huge-page memory; a module weight that shares the copy's storage
     (a tied LM head's, the embedding's) is pointed at the copy too. Returns the bytes moved
     (0 where Linux refused huge pages)."""
     import torch
@@ -130,22 +130,24 @@ def move_decode_weights(model: nn.Module) -> int:
     for module in model.modules():
         prepared: Any = getattr(module, "prepared", None)
         if isinstance(prepared, GemvWeight):
-            field = "plain"
+            fields = ["plain"] + (["one_row"] if prepared.one_row is not None else [])
         elif isinstance(prepared, Int8Weight) and prepared.rows is not None:
-            field = "rows"
+            fields = ["rows"]
         else:
             continue
-        old = getattr(prepared, field)
-        new = arena.place(old)
-        if new is old:
-            continue
-        weight = getattr(module, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.numel()
-                and weight.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
-                and weight.shape == old.shape and weight.dtype == old.dtype):
-            weight.data = new                   # tied: the embedding reads the copy too
-        module.prepared = prepared._replace(**{field: new})
-        moved += old.numel() * old.element_size()
+        for field in fields:
+            old = getattr(prepared, field)
+            new = arena.place(old)
+            if new is old:
+                continue
+            weight = getattr(module, "weight", None)
+            if (isinstance(weight, torch.Tensor) and weight.numel()
+                    and weight.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+                    and weight.shape == old.shape and weight.dtype == old.dtype):
+                weight.data = new               # tied: the embedding reads the copy too
+            prepared = prepared._replace(**{field: new})
+            module.prepared = prepared
+            moved += old.numel() * old.element_size()
     if moved:
         # The originals' memory, freed, mostly stays in malloc's heap (allocations under its
         # mmap threshold): hand it back, or the copies would add their size to the RSS.

@@ -85,6 +85,8 @@ class GemvWeight(NamedTuple):
     plain: torch.Tensor             # [out, in]: the gemv kernel's copy, in `layout`
     layout: str = "rows"            # row-major; "amx": tiles (kernels/cpu_ops.pack_amx);
                                     # "panels": bfloat16 panels (cpu_ops.pack_panels)
+    one_row: torch.Tensor | None = None  # the same panels in 12 bits a weight, lossless
+                                    # (cpu_ops.pack_panels12), for one-row products
 
 
 class GemvLinear(LinearMethod):
@@ -103,14 +105,21 @@ class GemvLinear(LinearMethod):
     values at half the bytes a decode step reads; `inner` keeps its float32 copy. With
     `pack_panels` that copy is held in the kernel's panels (outer products, no horizontal
     sums: as AVX2, a 32-row step's linears 1.3x faster than row-major, one row as fast) and
-    takes products of up to `panel_rows` rows."""
+    takes products of up to `panel_rows` rows. With `pack_panels12` too, one-row
+    products (a single request's decode step) read a second copy, the same panels in 12 bits
+    a weight (lossless: each weight's sign and exponent byte an index into a table of 16 per
+    1024 weights): 76% of the bytes, the same results bit for bit; one row is a stream of the
+    weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels, where the decoding costs more
+    than the bytes it saves. The copy adds 0.76x the bfloat16 panels' memory."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
                  pack_amx: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  amx_rows: int = 0, stream_dtype: torch.dtype | None = None,
                  pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 panel_rows: int = 0) -> None:
+                 panel_rows: int = 0,
+                 pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                 ) -> None:
         self.gemv = gemv
         self.inner = inner
         self.max_rows = max_rows
@@ -119,10 +128,13 @@ class GemvLinear(LinearMethod):
         self.stream_dtype = stream_dtype
         self.pack_panels = pack_panels if stream_dtype is not None and panel_rows else None
         self.panel_rows = panel_rows if self.pack_panels is not None else 0
+        self.pack_panels12 = pack_panels12 if self.panel_rows else None
         streams = ("" if stream_dtype is None
                    else f", {str(stream_dtype).removeprefix('torch.')} weights")
         if self.panel_rows:
             streams += f" in panels <= {panel_rows} rows"
+            if self.pack_panels12 is not None:
+                streams += " (one row: 12-bit panels)"
         self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
                      if self.amx_rows else f"gemv (<= {max_rows} rows{streams}) + {inner.name}")
 
@@ -140,7 +152,9 @@ class GemvLinear(LinearMethod):
             narrow = weight.to(stream).contiguous()
             panels = self.pack_panels(narrow) if self.pack_panels is not None else None
             if panels is not None:
-                return GemvWeight(packed, panels, layout="panels")
+                one_row = (self.pack_panels12(narrow) if self.pack_panels12 is not None
+                           else None)
+                return GemvWeight(packed, panels, layout="panels", one_row=one_row)
             return GemvWeight(packed, narrow)
         return GemvWeight(packed, weight.contiguous())
 
@@ -149,8 +163,10 @@ class GemvLinear(LinearMethod):
         if prepared is None:                     # before finish_loading
             return F.linear(x, weight, bias)
         if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
-            return self.gemv(x, prepared.plain, None, None if bias is None else bias.float(),
-                             layout=prepared.layout)
+            b = None if bias is None else bias.float()
+            if prepared.one_row is not None and x.numel() == x.shape[-1]:
+                return self.gemv(x, prepared.one_row, None, b, layout="panels12")
+            return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
 
     def gemv_rows(self, prepared: Any) -> int:
@@ -170,13 +186,14 @@ class GemvOperands(NamedTuple):
     scales: torch.Tensor | None          # int8: float32 per output row
     in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
     layout: str = "rows"                 # row-major, or GemvWeight.layout's other layouts
+    one_row: torch.Tensor | None = None  # GemvWeight.one_row: for one row, in "panels12"
 
 
 def gemv_operands(prepared: Any) -> GemvOperands | None:
     """The gemv kernel's operands of a prepared weight (kernels/cpu_gemv.c; the fused decode
     path, workers/fused_decode.py), or None when it keeps none."""
     if isinstance(prepared, GemvWeight):
-        return GemvOperands(prepared.plain, None, None, prepared.layout)
+        return GemvOperands(prepared.plain, None, None, prepared.layout, prepared.one_row)
     if isinstance(prepared, Int8Weight) and prepared.rows is not None:
         return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale,
                             prepared.layout)

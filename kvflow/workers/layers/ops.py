@@ -110,7 +110,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             linear = GemvLinear(cpu_ops.gemv, linear,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
                                 cpu_ops.pack_amx, amx_rows, stream,
-                                cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS)
+                                cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
+                                cpu_ops.pack_panels12)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
