@@ -76,7 +76,8 @@ FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
 # Bytes a token reads per weight (Q8_0: 32 int8 and an f16 scale per 32; kvflow int8: one
 # byte and a float32 scale per row of hundreds).
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
-                "llamacpp-Q8_0": 34 / 32}
+                "llamacpp-Q8_0": 34 / 32,
+                "panels12": 1.5 + 16 / 1024}   # 12 bits a weight, a 16-byte table a 1024
 ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
                         MKL_ENABLE_INSTRUCTIONS="AVX2", KVFLOW_KERNEL_ISA="avx2",
                         KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c bmi2"),
@@ -408,8 +409,9 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
-    if engine == "kvflow-auto":         # bfloat16 weights, whatever the arithmetic (hardware.py)
-        return "bfloat16"
+    if engine == "kvflow-auto":         # bfloat16 weights, whatever the arithmetic (hardware.py);
+        # under float32 arithmetic one row reads them in 12-bit panels (cpu_ops.pack_panels12)
+        return "panels12" if auto_kind == "float32" else "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
     if engine.startswith("llamacpp"):

@@ -126,7 +126,9 @@ def move_decode_weights(model: nn.Module) -> int:
 
     from kvflow.workers.layers.linear import GemvWeight, Int8Weight
 
-    arena, moved = Arena(), 0
+    # The 12-bit copies (read by one-row steps only) in an arena of their own, so that the
+    # panels every larger step streams lie together.
+    arenas, moved = {"plain": Arena(), "rows": Arena(), "one_row": Arena()}, 0
     for module in model.modules():
         prepared: Any = getattr(module, "prepared", None)
         if isinstance(prepared, GemvWeight):
@@ -137,7 +139,7 @@ def move_decode_weights(model: nn.Module) -> int:
             continue
         for field in fields:
             old = getattr(prepared, field)
-            new = arena.place(old)
+            new = arenas[field].place(old)
             if new is old:
                 continue
             weight = getattr(module, "weight", None)
@@ -155,5 +157,5 @@ def move_decode_weights(model: nn.Module) -> int:
         if trim is not None:
             trim(0)
         logger.info("%.0f MB of decode weights in 2 MB pages (%d MB asked for)",
-                    moved / 1e6, arena.nbytes >> 20)
+                    moved / 1e6, sum(a.nbytes for a in arenas.values()) >> 20)
     return moved
