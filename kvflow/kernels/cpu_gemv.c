@@ -774,34 +774,39 @@ static inline uint16_t p12_word(const uint16_t *w, int64_t K, int64_t q, int64_t
     return w[(q * PANEL + (i % 2 ? VL + i / 2 : i / 2)) * K + k];
 }
 
-/* The group's table (its distinct high bytes, padded with the first), or 0 when it has
- * more than 16 of them. */
+/* The group's table (its distinct high bytes, padded with the first) and each high byte's
+ * index in it (code[256]), or 0 when it has more than 16 of them. */
 static int p12_table(const uint16_t *w, int64_t K, int64_t q, int64_t k0, int64_t gk,
-                     uint8_t table[16]) {
+                     uint8_t table[16], uint8_t code[256]) {
+    uint8_t seen[256] = {0};
     int n = 0;
-    for (int64_t k = k0; k < k0 + gk; k++)
-        for (int64_t i = 0; i < PANEL; i++) {
-            const uint8_t h = (uint8_t)(p12_word(w, K, q, k, i) >> 8);
-            int found = 0;
-            for (int j = 0; j < n && !found; j++) found = table[j] == h;
-            if (found) continue;
+    for (int64_t i = 0; i < PANEL; i++) {
+        const uint16_t *row = w + (q * PANEL + (i % 2 ? VL + i / 2 : i / 2)) * K + k0;
+        for (int64_t k = 0; k < gk; k++) seen[row[k] >> 8] = 1;
+    }
+    for (int h = 0; h < 256; h++)
+        if (seen[h]) {
             if (n == 16) return 0;
-            table[n++] = h;
+            code[h] = (uint8_t)n;
+            table[n++] = (uint8_t)h;
         }
     for (int j = n; j < 16; j++) table[j] = table[0];
     return 1;
 }
+
+static int64_t p12_first_whole(const uint8_t *packed, int64_t number);
 
 /* Bytes of W [N, K] bfloat16 packed (N % PANEL == 0, K even), or 0 where it cannot be. */
 static int64_t p12_bytes(const uint16_t *w, int64_t N, int64_t K) {
     if (N % PANEL || K % 2 || K <= 0) return 0;
     const int64_t groups = (K + P12_G - 1) / P12_G;
     int64_t E = 0;
-    uint8_t table[16];
+    #pragma omp parallel for reduction(+ : E) schedule(static)
     for (int64_t q = 0; q < N / PANEL; q++)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
-            E += !p12_table(w, K, q, k0, gk, table);
+            uint8_t table[16], code[256];
+            E += !p12_table(w, K, q, k0, gk, table, code);
         }
     return p12_head_bytes(E) + N / PANEL * p12_panel_bytes(K) + E * P12_G * PANEL * 2;
 }
@@ -810,24 +815,25 @@ static int64_t p12_bytes(const uint16_t *w, int64_t N, int64_t K) {
 static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
     const int64_t groups = (K + P12_G - 1) / P12_G;
     int64_t E = 0;
-    uint8_t table[16];
     for (int64_t q = 0; q < N / PANEL; q++)        /* first the whole groups' numbers */
         for (int64_t g = 0; g < groups; g++) {
             const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
-            if (!p12_table(w, K, q, k0, gk, table)) {
+            uint8_t table[16], code[256];
+            if (!p12_table(w, K, q, k0, gk, table, code)) {
                 const int64_t number = q * groups + g;
                 memcpy(out + 8 + 8 * E++, &number, 8);
             }
         }
     memcpy(out, &E, 8);
-    uint8_t *panel = out + p12_head_bytes(E);
-    uint16_t *whole = (uint16_t *)(panel + N / PANEL * p12_panel_bytes(K));
-    int64_t e = 0;
-    for (int64_t q = 0; q < N / PANEL; q++, panel += p12_panel_bytes(K))
+    uint16_t *whole = (uint16_t *)(out + p12_head_bytes(E) + N / PANEL * p12_panel_bytes(K));
+    #pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < N / PANEL; q++) {
+        uint8_t *panel = out + p12_head_bytes(E) + q * p12_panel_bytes(K), table[16], code[256];
+        int64_t e = p12_first_whole(out, q * groups);
         for (int64_t g = 0; g < groups; g++) {
             const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;
             uint8_t *grp = panel + g * p12_group_bytes(P12_G);
-            if (!p12_table(w, K, q, k0, gk, table)) {
+            if (!p12_table(w, K, q, k0, gk, table, code)) {
                 for (int64_t k = 0; k < gk; k++)
                     for (int64_t i = 0; i < PANEL; i++)
                         whole[(e * P12_G + k) * PANEL + i] = p12_word(w, K, q, k0 + k, i);
@@ -841,12 +847,12 @@ static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
                     int64_t input, word;
                     p12_position(p, &input, &word);
                     const uint16_t v = p12_word(w, K, q, k0 + 2 * pair + input, word);
-                    int code = 0;
-                    while (table[code] != (uint8_t)(v >> 8)) code++;
+                    const uint8_t c = code[v >> 8];
                     lows[pair * 2 * PANEL + p] = (uint8_t)v;
-                    nibs[pair * PANEL + p % PANEL] |= (uint8_t)(p < PANEL ? code : code << 4);
+                    nibs[pair * PANEL + p % PANEL] |= (uint8_t)(p < PANEL ? c : c << 4);
                 }
         }
+    }
 }
 
 /* Panel q of a packed W (K inputs, `groups` groups a panel) into a bfloat16 panel [K][PANEL]
