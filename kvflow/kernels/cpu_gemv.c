@@ -723,9 +723,13 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
  * 2 PANEL indices; vpshufb looks each up in the group's table (in every 128-bit lane): the
  * high bytes; vpunpcklbw / vpunpckhbw interleave them with the low bytes into the two inputs'
  * bfloat16 panel words. The bytes are stored in the order that makes those two unpacks give
- * input k's PANEL words and input k+1's (p12_position). Each panel is decoded into a
- * bfloat16 panel in L1 and multiplied there by the same code as T_BF16_PANELS, so the results
- * are those of the bfloat16 panels bit for bit.
+ * input k's PANEL words and input k+1's (p12_position). One row of x multiplies them as they
+ * are decoded, four panels side by side (p12_group_1_4); more rows decode each panel into a
+ * bfloat16 panel in L1 and multiply it there by the bfloat16 panels' code. Either way every
+ * output sums its inputs in order, so the results are the bfloat16 panels' bit for bit. One
+ * row: the default model's decode linears 1.2-1.36x faster than from the bfloat16 panels
+ * (AVX2 and AVX-512 builds, in C, 2 MB pages); two rows and more 0.73-0.95x, where the
+ * decoding costs more than the bytes save (GemvLinear reads the panels there).
  *
  * Layout of the packed bytes (pack_panels12): an int64 count E of whole groups, E int64
  * group numbers (panel * groups a panel + group, ascending), padding to 64 bytes; then each
@@ -855,9 +859,9 @@ static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
     }
 }
 
-/* Panel q of a packed W (K inputs, `groups` groups a panel) into a bfloat16 panel [K][PANEL]
- * (`dst`), prefetching the stream `ahead` bytes on (T0) up to `end`. e: the first whole
- * group's index in the head's list at or after this panel's (advanced past this panel's). */
+/* Panel q of a packed W into a bfloat16 panel [K][PANEL] (`dst`), prefetching the stream
+ * two groups ahead (T0) up to `end`. e: the first whole group's index in the head's list at
+ * or after this panel's (advanced past this panel's). */
 static void p12_decode(const uint8_t *packed, int64_t N, int64_t K, int64_t q, int64_t *e,
                        uint16_t *dst, const uint8_t *end) {
     int64_t E;
@@ -897,20 +901,16 @@ static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K,
     return (const uint8_t *)packed + p12_head_bytes(E) + q * p12_panel_bytes(K);
 }
 
-static int64_t p12_first_whole(const uint8_t *packed, int64_t number);
-
 /* One row of x times NP consecutive 12-bit panels (q0..) into out[NP][PANEL], decoding in
  * registers: each pair of inputs of each panel is decoded and multiplied at once, NP panels
  * side by side (as panel_group_1_4 streams four). The sums run in input order, as the
  * bfloat16 panels' do, so the results are theirs bit for bit. Each panel's stream is
- * prefetched two groups ahead (T0); past a panel's end, the same group of the panel NP on
- * (the next call's), while it is below `end`. */
-#ifndef P12_AHEAD
+ * prefetched P12_AHEAD groups ahead, a line or a few each pair of inputs (one burst of a
+ * group's 25 lines at its start ran 1.2x slower); past a panel's end, the group of the panel
+ * NP on (the next call's), while that is below `end`. One or two groups ahead were alike,
+ * three or four and T1 slower. */
 #define P12_AHEAD 2
-#endif
-#ifndef P12_HINT
 #define P12_HINT _MM_HINT_T0
-#endif
 #define DEFINE_P12_GROUP(NP)                                                                  \
 static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,            \
                              int64_t end, const float *x, float *out) {                       \
@@ -942,7 +942,7 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
                 raw[j] = whole + e[j]++ * P12_G * PANEL;                                      \
             table[j] = P12_TABLE(grp[j]);                                                     \
         }                                                                                     \
-        const int64_t per_pair = (gb / 64 + gk / 2) / (gk / 2 + 1) + 1;  /* lines a pair */  \
+        const int64_t per_pair = ((gb + 63) / 64 + gk / 2 - 1) / (gk / 2); /* lines a pair */ \
         for (int64_t pair = 0, line = 0; pair < gk / 2; pair++) {                             \
             const vf b0 = VBROADCAST(x + k0 + 2 * pair), b1 = VBROADCAST(x + k0 + 2 * pair + 1); \
             for (int64_t l = 0; l < per_pair && line < gb; l++, line += 64)                 \
