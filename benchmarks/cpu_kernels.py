@@ -108,20 +108,17 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
                 tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
-            panels = "-"         # bf16 in panels under float32 x (no AVX512-BF16); int8 panels
-            if dtype == torch.bfloat16 and cpu_ops.pack_panels(weight) is not None:
-                place, xf = in_pages(args), x.float()
-                packed = [place(cpu_ops.pack_panels(c)) for c in copies]
-                t = timed(lambda: [cpu_ops.gemv(xf, p, layout="panels") for p in packed], 3)
-                panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                del packed
-            panels12 = "-"       # the same panels in 12 bits a weight
-            if dtype == torch.bfloat16 and cpu_ops.pack_panels12(weight) is not None:
-                place, xf = in_pages(args), x.float()
-                packed = [place(cpu_ops.pack_panels12(c)) for c in copies]
-                t = timed(lambda: [cpu_ops.gemv(xf, p, layout="panels12") for p in packed], 3)
-                panels12 = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                del packed
+            # bf16 in panels under float32 x (no AVX512-BF16), and in 12-bit panels; int8 panels
+            bf16_panels = {"panels": "-", "panels12": "-"}
+            for layout, pack in (("panels", cpu_ops.pack_panels),
+                                 ("panels12", cpu_ops.pack_panels12)):
+                if dtype == torch.bfloat16 and pack(weight) is not None:
+                    place, xf = in_pages(args), x.float()
+                    packed = [place(pack(c)) for c in copies]
+                    t = timed(lambda: [cpu_ops.gemv(xf, p, layout=layout) for p in packed], 3)
+                    bf16_panels[layout] = f"{len(copies) * nbytes / t / 1e9:.1f}"
+                    del packed
+            panels, panels12 = bf16_panels["panels"], bf16_panels["panels12"]
             if dtype == torch.int8 and cpu_ops.pack_i8_panels(weight) is not None:
                 place = in_pages(args)
                 packed = [place(cpu_ops.pack_i8_panels(c)) for c in copies]  # int8 panels
