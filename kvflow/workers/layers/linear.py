@@ -109,8 +109,10 @@ class GemvLinear(LinearMethod):
     products (a single request's decode step) read a second copy, the same panels in 12 bits
     a weight (lossless: each weight's sign and exponent byte an index into a table of 16 per
     1024 weights): 76% of the bytes, the same results bit for bit; one row is a stream of the
-    weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels, where the decoding costs more
-    than the bytes it saves. The copy adds 0.76x the bfloat16 panels' memory."""
+    weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two
+    rows and more keep the bfloat16 panels, where the decoding costs more than the bytes it
+    saves. The copy adds 0.76x the bfloat16 panels' memory (the engine passes
+    pack_panels12 only with layers/ops.py ONE_ROW_PANELS12, off for now)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,

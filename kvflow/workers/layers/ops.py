@@ -69,6 +69,13 @@ GEMV_MAX_ROWS_WIDENED = 32
 GEMV_MAX_ROWS_PANELS = 64
 FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
+# One-row products from a second copy of the bfloat16 panels in 12 bits a weight
+# (cpu_ops.pack_panels12, lossless): one request's TPOT as an AVX2 CPU 14.1-14.3 -> 11.8-12.3
+# ms in-process. Off for now: with the copies held, the 32-request offline workload through
+# the multi-process engine (benchmarks/cpu_peers.py --isa avx512 --skip single) measured
+# 158-193 output tok/s against 182-212 without them (7 and 8 alternating runs; in-process
+# no difference), and the cause is not found yet.
+ONE_ROW_PANELS12 = False
 
 
 def compiled_ops() -> Ops:
@@ -111,7 +118,7 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
                                 cpu_ops.pack_amx, amx_rows, stream,
                                 cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
-                                cpu_ops.pack_panels12)
+                                cpu_ops.pack_panels12 if ONE_ROW_PANELS12 else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
