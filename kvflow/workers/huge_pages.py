@@ -119,8 +119,8 @@ class Arena:
 
 def move_decode_weights(model: nn.Module) -> int:
     """Every prepared weight the gemv kernel streams (layers/linear.py: GemvWeight.plain and
-    .one_row, Int8Weight.rows) into huge-page memory; a module weight that shares the copy's storage
-    (a tied LM head's, the embedding's) is pointed at the copy too. Returns the bytes moved
+    .one_row, Int8Weight.rows) into huge-page memory; a module weight that shares the copy's
+    storage (a tied LM head's, the embedding's) is pointed at the copy too. Returns the bytes moved
     (0 where Linux refused huge pages)."""
     import torch
 
