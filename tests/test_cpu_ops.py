@@ -481,13 +481,18 @@ def test_gemv_linear_holds_amx_tiles_where_it_can() -> None:
     """GemvLinear with pack_amx: a bfloat16 weight it can tile is held tiled beside oneDNN's
     copy, and every row count (the AMX path up to amx_rows, oneDNN above) gives F.linear's
     result; shapes the tile path cannot take stay row-major on the gemv kernel."""
-    from kvflow.workers.layers.linear import GemvLinear, OneDnnLinear, gemv_operands
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
     rows = cpu_ops.gemv_amx_rows()
-    method = GemvLinear(cpu_ops.gemv, OneDnnLinear(), 4, cpu_ops.pack_amx, rows)
+    # As the engine chooses (layers/ops.py): oneDNN where its bfloat16 path runs on this CPU
+    # (AVX2 alone has none), else torch's plain linear beside the kernel.
+    onednn = OneDnnLinear.works(torch.bfloat16)
+    method = GemvLinear(cpu_ops.gemv, OneDnnLinear() if onednn else LinearMethod(), 4,
+                        cpu_ops.pack_amx, rows)
     for n, k in [(96, 64), (40, 64)]:                  # 40 outputs: not a multiple of 16
         w = torch.randn(n, k).bfloat16()
         prepared = method.prepare(w)
-        tiled = rows > 0 and n % 16 == 0 and OneDnnLinear.works(torch.bfloat16)
+        tiled = rows > 0 and n % 16 == 0 and onednn
         assert (prepared.layout == "amx") == tiled
         assert (gemv_operands(prepared).layout == "amx") == tiled
         for m in (1, 5, 32, 40):

@@ -72,8 +72,8 @@ def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # ty
     assert got.dtype == dtype and got.shape == (num_tokens, 960)
     ref = F.linear(x, w, bias)
     # The exact product of the quantized operands: what oneDNN must return (up to the output
-    # rounding to `dtype`).
-    qw, w_scales = quantize_weight(w.to(dtype))
+    # rounding to `dtype`); the weights 7-bit where the CPU lacks VNNI (gemm_weight_levels).
+    qw, w_scales = quantize_weight(w.to(dtype), method.weight_levels)
     qx, x_scales = quantize_rows_ref(x.to(dtype))
     exact = ((qx.float() - 128) @ qw.float().t()) * x_scales[:, None] * w_scales + bias
     out_tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -206,9 +206,21 @@ def test_without_vnni_int8_runs_w8a16_up_to_32_rows(monkeypatch: pytest.MonkeyPa
     """The engine's int8 layers run products of up to 32 rows W8A16 on the gemv kernel
     where the CPU lacks VNNI and AMX-INT8 (oneDNN's W7A8 GEMM is the slower there), up to
     GEMV_MAX_ROWS where it has them; either way the product is the float layer's within int8
-    rounding."""
+    rounding. Flags that claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's
+    8-bit GEMM saturates its sums without them): the engine must refuse to start, naming why,
+    rather than run wrong."""
+    from kvflow.workers.hardware import cpu_flags
+    from kvflow.workers.layers.linear import int8_gemv_rows
     from kvflow.workers.layers.ops import GEMV_MAX_ROWS, choose_ops
+    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS) == max(rows, GEMV_MAX_ROWS)
+    wide = {"avx512_vnni", "avx_vnni", "amx_int8"}
+    claims_more = bool(set(flags.split()) & wide) and not cpu_flags() & wide
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+    if claims_more:
+        with pytest.raises(ValueError, match="int8' cannot run: oneDNN's int8 linear gave "
+                                             "wrong results on this CPU"):
+            choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8")
+        return
     method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8").linear
     assert isinstance(method, Int8Linear) and method.max_rows == max(rows, GEMV_MAX_ROWS)
     gen = torch.Generator().manual_seed(0)
