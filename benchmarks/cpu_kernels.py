@@ -127,7 +127,8 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
                 del packed
             theirs = "-"
-            if dtype != torch.int8:          # oneDNN's int8 GEMM quantizes x: not comparable
+            # oneDNN's int8 GEMM quantizes x: not comparable; it has no bfloat16 path on AVX2
+            if dtype != torch.int8 and onednn.works(dtype):
                 packed = [onednn.prepare(c) for c in copies]
                 t = timed(lambda: [onednn.apply(x, c, p) for c, p in zip(copies, packed)], 3)
                 theirs = f"{len(copies) * nbytes / t / 1e9:.1f}"
