@@ -74,7 +74,9 @@ FUSED_MAX_TOKENS_WIDE = 32
 # ms in-process. Off for now: with the copies held, the 32-request offline workload through
 # the multi-process engine (benchmarks/cpu_peers.py --isa avx512 --skip single) measured
 # 158-193 output tok/s against 182-212 without them (7 and 8 alternating runs; in-process
-# no difference), and the cause is not found yet.
+# no difference), and the cause is not found yet; and on a native AVX2 AMD EPYC (Zen 3) the
+# decoding is the limit (gate_up at one row 0.83x the bfloat16 panels' speed; in-process
+# TPOT 19.2 ms with it, 19.7 without): whether it pays depends on the CPU (docs/design.md).
 ONE_ROW_PANELS12 = False
 
 
