@@ -199,11 +199,11 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
-@pytest.mark.parametrize("flags,rows", [("avx2 fma", 32), ("avx2 fma avx512f avx512_vnni", 4),
+@pytest.mark.parametrize("flags,rows", [("avx2 fma", 48), ("avx2 fma avx512f avx512_vnni", 4),
                                         ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4)])
-def test_without_vnni_int8_runs_w8a16_up_to_32_rows(monkeypatch: pytest.MonkeyPatch,
+def test_without_vnni_int8_runs_w8a16_up_to_48_rows(monkeypatch: pytest.MonkeyPatch,
                                                           flags: str, rows: int) -> None:
-    """The engine's int8 layers run products of up to 32 rows W8A16 on the gemv kernel
+    """The engine's int8 layers run products of up to 48 rows W8A16 on the gemv kernel
     where the CPU lacks VNNI and AMX-INT8 (oneDNN's W7A8 GEMM is the slower there), up to
     GEMV_MAX_ROWS where it has them; either way the product is the float layer's within int8
     rounding. Flags that claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's
@@ -230,11 +230,11 @@ def test_without_vnni_int8_runs_w8a16_up_to_32_rows(monkeypatch: pytest.MonkeyPa
     gemv = method.gemv
     assert gemv is not None
     method.gemv = lambda x, *a, **k: calls.append(x.shape[0]) or gemv(x, *a, **k)
-    for m in (1, 9, 32, 33):
+    for m in (1, 9, 32, 48, 49):
         x = torch.randn(m, 576, generator=gen)
         got, ref = method.apply(x, w, prepared), torch.nn.functional.linear(x, w)
         assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
-    assert calls == [m for m in (1, 9, 32, 33) if m <= method.max_rows]
+    assert calls == [m for m in (1, 9, 32, 48, 49) if m <= method.max_rows]
 
 
 def test_int8_gemv_rows_are_held_in_panels_where_the_shape_allows(kernels: str) -> None:

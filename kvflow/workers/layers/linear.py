@@ -226,12 +226,15 @@ def gemm_weight_levels(flags: frozenset[str]) -> int:
 def int8_gemv_rows(flags: frozenset[str], rows: int) -> int:
     """Up to how many rows int8 products run W8A16 on the gemv kernel: `rows` (the
     float layers' limit) where the CPU has VNNI or AMX-INT8, whose u8 x s8 GEMM is the faster
-    from 16 rows on; 32 where it has neither. Measured (all of a decode step's linears, 2
+    from 16 rows on; 48 where it has neither. Measured (all of a decode step's linears, 2
     threads): as an AVX2 CPU, with the kernel before its integer sums, 0.37x oneDNN's W7A8
     GEMM's time at 8 rows, 0.56x at 16, 0.89x at 32 and 1.4x at 64; with the integer sums and
     VNNI, against oneDNN's W8A8: 0.6x at 4 rows, 0.75x at 8, 1.05-1.13x at 16, 1.35-1.65x at 32
-    (decode steps of up to 8 tokens run fused on the gemv kernel anyway)."""
-    return rows if gemm_weight_levels(flags) == 127 else max(rows, 32)
+    (decode steps of up to 8 tokens run fused on the gemv kernel anyway). With two input
+    pairs a step (cpu_gemv.c), on an AVX2 AMD EPYC (Zen 3), against W7A8: 0.52x at 16 rows,
+    0.77-0.79x at 32, 0.98x at 48, 1.03-1.10x at 64, 1.29x at 256; so 48, where W8A16's finer
+    activations and 8-bit weights come at no cost."""
+    return rows if gemm_weight_levels(flags) == 127 else max(rows, 48)
 
 
 def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
