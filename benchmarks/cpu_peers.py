@@ -410,9 +410,9 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
     if engine == "kvflow-auto":         # bfloat16 weights, whatever the arithmetic (hardware.py);
-        # under float32 arithmetic one row may read them in 12-bit panels (ONE_ROW_PANELS12)
-        from kvflow.workers.layers.ops import ONE_ROW_PANELS12
-        return "panels12" if auto_kind == "float32" and ONE_ROW_PANELS12 else "bfloat16"
+        # under float32 arithmetic one row reads them in 12-bit panels where use_panels12()
+        from kvflow.workers.layers.ops import use_panels12
+        return "panels12" if auto_kind == "float32" and use_panels12() else "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
     if engine.startswith("llamacpp"):

@@ -672,6 +672,24 @@ def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
     assert calls == ["panels12", "panels"]
 
 
+def test_one_row_12_bit_panels_are_chosen_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 arithmetic on bfloat16 weights (dtype="auto" without AVX512-BF16): the 12-bit
+    copy for one row is made on a CPU without AVX-512 and not on one with it, unless forced."""
+    from kvflow.workers.layers import ops
+    from kvflow.workers.layers.linear import GemvLinear
+    avx2, avx512 = "sse4_2 avx avx2 fma f16c bmi2", "sse4_2 avx avx2 fma f16c avx512f avx512bw"
+    choices = {}
+    for name, flags, forced in (("avx2", avx2, None), ("avx512", avx512, None),
+                                ("avx2 off", avx2, False), ("avx512 on", avx512, True)):
+        monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+        monkeypatch.setattr(ops, "ONE_ROW_PANELS12", forced)
+        linear = ops.choose_ops(torch.device("cpu"), "cpu", torch.float32, True,
+                                weight_dtype=torch.bfloat16).linear
+        assert isinstance(linear, GemvLinear)
+        choices[name] = linear.pack_panels12 is not None
+    assert choices == {"avx2": True, "avx512": False, "avx2 off": False, "avx512 on": True}
+
+
 def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:
     x, w = torch.randn(3, 64).bfloat16(), torch.randn(9, 64).bfloat16()
     got = cpu_ops.gemv(x, w, out_dtype=torch.float32)

@@ -170,10 +170,10 @@ def test_steps_of_up_to_32_tokens_run_fused_where_the_gemv_kernel_takes_them(
 
 def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
         default_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """dtype="auto" on an AVX2 CPU (flags faked) with ONE_ROW_PANELS12 on: every paneled
+    """dtype="auto" on an AVX2 CPU (flags faked), as it runs by default there: every paneled
     weight has its 12-bit copy, which one-row products read (a request alone: fused steps
     and the unfused LM head); the greedy tokens and logprobs are those of the same engine
-    without the copies (the default), bit for bit."""
+    without the copies (ONE_ROW_PANELS12 forced off), bit for bit."""
     from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvWeight
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
@@ -181,7 +181,7 @@ def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
     outs = []
     for copies in (True, False):
         with monkeypatch.context() as patch:
-            patch.setattr(ops, "ONE_ROW_PANELS12", copies)
+            patch.setattr(ops, "ONE_ROW_PANELS12", None if copies else False)
             with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2) as llm:
                 prepared = [m.prepared for m in runner(llm).model.modules()
                             if isinstance(getattr(m, "prepared", None), GemvWeight)]

@@ -112,7 +112,7 @@ class GemvLinear(LinearMethod):
     weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two
     rows and more keep the bfloat16 panels, where the decoding costs more than the bytes it
     saves. The copy adds 0.76x the bfloat16 panels' memory (the engine passes
-    pack_panels12 only with layers/ops.py ONE_ROW_PANELS12, off for now)."""
+    pack_panels12 on CPUs without AVX-512: layers/ops.py one_row_panels12)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,

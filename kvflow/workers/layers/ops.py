@@ -70,14 +70,29 @@ GEMV_MAX_ROWS_PANELS = 64
 FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
 # One-row products from a second copy of the bfloat16 panels in 12 bits a weight
-# (cpu_ops.pack_panels12, lossless): one request's TPOT as an AVX2 CPU 14.1-14.3 -> 11.8-12.3
-# ms in-process. Off for now: with the copies held, the 32-request offline workload through
-# the multi-process engine (benchmarks/cpu_peers.py --isa avx512 --skip single) measured
-# 158-193 output tok/s against 182-212 without them (7 and 8 alternating runs; in-process
-# no difference), and the cause is not found yet; and on a native AVX2 AMD EPYC (Zen 3) the
-# decoding is the limit (gate_up at one row 0.83x the bfloat16 panels' speed; in-process
-# TPOT 19.2 ms with it, 19.7 without): whether it pays depends on the CPU (docs/design.md).
-ONE_ROW_PANELS12 = False
+# (cpu_ops.pack_panels12, lossless, 0.76x the bytes) on CPUs without AVX-512
+# (one_row_panels12).
+# None: decided by the CPU; True or False: forced (tests).
+ONE_ROW_PANELS12: bool | None = None
+
+
+def one_row_panels12(flags: frozenset[str]) -> bool:
+    """Whether one-row products read the 12-bit copy: on CPUs without AVX-512, where it was
+    measured to pay. As an AVX2 CPU on a Xeon (Cascade Lake), one request's TPOT in-process
+    14.1-14.3 -> 11.8-12.3 ms; natively on an AVX2 AMD EPYC (Zen 3), 5 alternating pairs,
+    medians 16.6 -> 15.3 ms (4 of 5 pairs faster; the decoding there is near the limit: one
+    row through the 3072 x 576 gate_up alone streams at 0.9-1.2x the bfloat16 panels' speed,
+    the other shapes at 1.0-1.65x, 3 runs of benchmarks/cpu_kernels.py --gemv --rows 1
+    --huge-pages), and the 32-request offline workload through the multi-process engine
+    unchanged (117.7/123.4/127.3 -> 118.7/123.5/134.4 output tok/s, alternating). Not with
+    AVX-512: there that workload measured ~10% slower with the copies held (AVX-512 without
+    BF16 on the Xeon, 7 and 8 alternating runs, noisy; cause not found), and with AVX512-BF16
+    the weights are not bfloat16 panels under float32 arithmetic anyway."""
+    return "avx512f" not in flags
+
+
+def use_panels12() -> bool:
+    return one_row_panels12(cpu_flags()) if ONE_ROW_PANELS12 is None else ONE_ROW_PANELS12
 
 
 def compiled_ops() -> Ops:
@@ -120,7 +135,7 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
                                 cpu_ops.pack_amx, amx_rows, stream,
                                 cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
-                                cpu_ops.pack_panels12 if ONE_ROW_PANELS12 else None)
+                                cpu_ops.pack_panels12 if use_panels12() else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear)
