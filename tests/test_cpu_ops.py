@@ -672,6 +672,39 @@ def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
     assert calls == ["panels12", "panels"]
 
 
+@pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels"])
+def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layout: str) -> None:
+    """Panels are shared out by work stealing (cpu_gemv.c shares_claim: a thread done with
+    its own share takes groups from the back of the others'): with more threads than cores
+    (so threads are preempted and their shares taken over), 1, 2 or 7 threads give the same
+    bits, every output written once, at one row (groups of four), three rows (pairs) and
+    nine (single panels); 3072 x 576 is the default model's gate_up (192 panels on AVX2)."""
+    n, k = 3072, 576
+    w = torch.randn(n, k)
+    if layout == "i8 panels":
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales = torch.rand(n) / 50 + 1e-3
+        packed, name = cpu_ops.pack_i8_panels(q), "panels"
+    else:
+        scales = None
+        pack = cpu_ops.pack_panels if layout == "panels" else cpu_ops.pack_panels12
+        packed, name = pack(w.bfloat16()), layout
+    assert packed is not None
+    bias = torch.randn(n)
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 3, 9):
+            x = torch.randn(m, k)
+            results = []
+            for t in (1, 2, 7, 7, 7):
+                torch.set_num_threads(t)
+                results.append(cpu_ops.gemv(x, packed, scales, bias, layout=name))
+            assert all(torch.equal(r, results[0]) for r in results[1:]), m
+            assert bool(torch.isfinite(results[0]).all())
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_one_row_12_bit_panels_are_chosen_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 arithmetic on bfloat16 weights (dtype="auto" without AVX512-BF16): the 12-bit
     copy for one row is made on a CPU without AVX-512 and not on one with it, unless forced."""

@@ -688,6 +688,54 @@ static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, 
 }
 #endif
 
+/* Panels shared out among a parallel region's threads: each starts on its own contiguous
+ * share, as a static split would give it, and claims `group` panels at a time from its
+ * front; a thread whose share is done takes groups from the back of the others' (work
+ * stealing). Each panel is still computed whole by one thread, so the results do not depend
+ * on who computes it. Why: a decode step is a few hundred parallel regions, and a thread
+ * that another process preempts (the server's frontend, EngineCore and the client share
+ * the cores with the worker on a small machine) held every other thread at the region's
+ * end for as long; one thread alone streams a one-row product at ~85% of two threads' speed
+ * (AMD EPYC Zen 3), so the others taking over its share lose far less. A share is
+ * front | back << 32 in one 64-bit word (compare-and-swap), a cache line each. */
+typedef struct { uint64_t word; char pad[56]; } PanelShare;
+
+static __attribute__((unused)) PanelShare *shares_new(int64_t panels, int parallel, int64_t *threads) {
+    const int64_t t = parallel && !omp_in_parallel() ? omp_get_max_threads() : 1;
+    PanelShare *sh = aligned_alloc(64, (size_t)t * sizeof(PanelShare));
+    if (sh == NULL) return NULL;
+    for (int64_t i = 0; i < t; i++)
+        sh[i].word = (uint64_t)(panels * i / t) | (uint64_t)(panels * (i + 1) / t) << 32;
+    *threads = t;
+    return sh;
+}
+
+/* The next panels [*p0, *p0 + *np) for thread `me`, and *end: how far on the panels are
+ * likely its own (its share's back, or the claim's end when taken from another's); 0 when
+ * none are left anywhere. */
+static __attribute__((unused)) int shares_claim(PanelShare *sh, int64_t threads, int64_t me,
+                                                int64_t group, int64_t *p0, int64_t *np,
+                                                int64_t *end) {
+    for (int64_t i = 0; i < threads; i++) {
+        const int64_t t = (me + i) % threads;
+        uint64_t word = __atomic_load_n(&sh[t].word, __ATOMIC_RELAXED);
+        for (;;) {
+            const int64_t front = (int64_t)(word & 0xFFFFFFFFu), back = (int64_t)(word >> 32);
+            if (front >= back) break;
+            const int64_t n = back - front < group ? back - front : group;
+            const int64_t start = i == 0 ? front : back - n;
+            const uint64_t next = i == 0 ? (uint64_t)(front + n) | (uint64_t)back << 32
+                                         : (uint64_t)front | (uint64_t)(back - n) << 32;
+            if (__atomic_compare_exchange_n(&sh[t].word, &word, next, 0, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED)) {
+                *p0 = start, *np = n, *end = i == 0 ? back : start + n;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 /* Outputs a panel holds: 2 VL (16 on AVX2, 32 on AVX-512), or 0 where this build has no
  * vector path (then nothing is packed). */
 int gemv_panel_width(void) {
@@ -1371,8 +1419,11 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (i8_panels) {
         const int64_t num_panels = N / PANEL;
         const int16_t *xq = (const int16_t *)xs;
-        int failed = 0;
-        #pragma omp parallel if (N * K > 65536)
+        const int parallel = N * K > 65536;
+        int64_t threads = 1;
+        PanelShare *sh = shares_new(num_panels, parallel, &threads);
+        int failed = sh == NULL;
+        #pragma omp parallel num_threads(threads) if (parallel && sh != NULL)
         {
             int64_t *sums = malloc((size_t)(M <= 4 ? 4 * M : M) * PANEL * sizeof(int64_t));
             if (sums == NULL) {
@@ -1380,28 +1431,29 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 failed = 1;
             }
             /* As the bf16 panels: groups of 4 panels at one row, 2 at two to four, else 1. */
-            const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1;
-            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-            const int64_t end = num_panels * (me + 1) / threads;
-            for (int64_t p0 = num_panels * me / threads, np; p0 < end && sums != NULL;
-                 p0 += np) {
-                np = end - p0 >= group ? group : 1;
-                const int8_t *wp = (const int8_t *)w + p0 * K * PANEL;
-                if (np == 4) i8_panel_group_1_4(wp, K, xq, sums, M);
-                else if (np == 2)                  /* rows in pairs, the odd one alone */
-                    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-                        if (M - m0 >= 2)
-                            i8_panel_group_2_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
-                        else i8_panel_group_1_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
-                    }
-                else i8_panel_rows(wp, K, xq, M, sums);
-                for (int64_t q = 0; q < np; q++)              /* sums: [np][M][PANEL] */
-                    for (int64_t m = 0; m < M; m++)
-                        i8_panel_out(sums + (q * M + m) * PANEL, xscale[m], scales, bias,
-                                     (p0 + q) * PANEL, out, otype, m * ldo);
-            }
+            const int64_t group = M == 1 ? 4 : M <= 4 ? 2 : 1, me = omp_get_thread_num();
+            int64_t c0, cn, end;
+            while (sums != NULL && sh != NULL
+                   && shares_claim(sh, threads, me, group, &c0, &cn, &end))
+                for (int64_t p0 = c0, np; p0 < c0 + cn; p0 += np) {
+                    np = cn == group ? group : 1;
+                    const int8_t *wp = (const int8_t *)w + p0 * K * PANEL;
+                    if (np == 4) i8_panel_group_1_4(wp, K, xq, sums, M);
+                    else if (np == 2)                  /* rows in pairs, the odd one alone */
+                        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                            if (M - m0 >= 2)
+                                i8_panel_group_2_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
+                            else i8_panel_group_1_2(wp, K, xq + m0 * K, sums + m0 * PANEL, M);
+                        }
+                    else i8_panel_rows(wp, K, xq, M, sums);
+                    for (int64_t q = 0; q < np; q++)              /* sums: [np][M][PANEL] */
+                        for (int64_t m = 0; m < M; m++)
+                            i8_panel_out(sums + (q * M + m) * PANEL, xscale[m], scales, bias,
+                                         (p0 + q) * PANEL, out, otype, m * ldo);
+                }
             free(sums);
         }
+        free(sh);
         if (xs != NULL) free(xs);
         return failed;
     }
@@ -1409,8 +1461,11 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #ifdef VL
     if (panels) {
         const int64_t num_panels = N / PANEL;
-        int failed = 0;
-        #pragma omp parallel if (N * K * esize > 65536)
+        const int parallel = N * K * esize > 65536;
+        int64_t threads = 1;
+        PanelShare *sh = shares_new(num_panels, parallel, &threads);
+        int failed = sh == NULL;
+        #pragma omp parallel num_threads(threads) if (parallel && sh != NULL)
         {
             float *acc = malloc((size_t)(M <= 4 ? 8 : M) * PANEL * sizeof(float));
 #ifdef P12
@@ -1421,66 +1476,71 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 free(acc);
                 acc = NULL;
             }
+            const int64_t groups12 = (K + P12_G - 1) / P12_G;
+            int64_t E = 0;
+            if (panels12) memcpy(&E, w, 8);
 #endif
             if (acc == NULL) {
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One row: groups of 4 panels; two to four: 2 (a range's last ones alone); else
-             * 1. Each thread takes a contiguous range of panels: an even split of the panels,
-             * not of the groups (SmolLM2's 576 outputs on AVX-512 are 18 panels: split by
-             * groups of 4, one thread had 12 and the other 6). */
+            /* One row: groups of 4 panels; two to four: 2; else 1 (a share's last ones
+             * alone). A thread's own share comes first, a contiguous range of an even split
+             * of the panels, not of the groups (SmolLM2's 576 outputs on AVX-512 are 18
+             * panels: split by groups of 4, one thread had 12 and the other 6). */
             const int64_t group = M == 1 ? 4 : M <= 4 && !panels12 ? 2 : 1;
-            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-            const int64_t end = num_panels * (me + 1) / threads;
+            const int64_t me = omp_get_thread_num();
+            int64_t c0, cn, end;
+            while (acc != NULL && sh != NULL
+                   && shares_claim(sh, threads, me, group, &c0, &cn, &end)) {
 #ifdef P12
-            const int64_t groups12 = (K + P12_G - 1) / P12_G;
-            int64_t whole = panels12 ? p12_first_whole(w, num_panels * me / threads * groups12) : 0;
-            const uint8_t *stream_end = NULL;
-            if (panels12) {
-                int64_t E;
-                memcpy(&E, w, 8);
-                stream_end = (const uint8_t *)w + p12_head_bytes(E) + end * p12_panel_bytes(K);
-            }
+                /* the first whole group of the claim; and where prefetching may run to (the
+                 * claim's end, or the own share's) */
+                int64_t whole = panels12 && M > 1 ? p12_first_whole(w, c0 * groups12) : 0;
+                const uint8_t *stream_end = panels12 ? (const uint8_t *)w + p12_head_bytes(E)
+                                                       + end * p12_panel_bytes(K) : NULL;
 #endif
-            for (int64_t p0 = num_panels * me / threads, np; p0 < end && acc != NULL; p0 += np) {
-                np = end - p0 >= group ? group : 1;
-                const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
+                for (int64_t p0 = c0, np; p0 < c0 + cn; p0 += np) {
+                    np = cn == group ? group : 1;
+                    const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
 #ifdef P12
-                if (panels12 && M > 1) {
-                    p12_decode(w, N, K, p0, &whole, decoded, stream_end);
-                    wp = decoded;
-                }
-#endif
-                if (panels12 && M == 1) {
-#ifdef P12
-                    if (np == 4) p12_group_1_4(w, N, K, p0, end, xf, acc);
-                    else p12_group_1_1(w, N, K, p0, end, xf, acc);
-#endif
-                } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
-                else if (np == 2)                  /* rows in pairs, the odd one alone */
-                    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-                        if (M - m0 >= 2)
-                            panel_group_2_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
-                        else panel_group_1_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                    if (panels12 && M > 1) {
+                        p12_decode(w, N, K, p0, &whole, decoded, stream_end);
+                        wp = decoded;
                     }
-                else if (!panels12)
-                    panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL,
-                               K * PANEL * 2);
-#ifdef P12
-                else panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? p12_panel(w, N, K, p0 + 1) : NULL,
-                                p12_panel_bytes(K));
 #endif
-                for (int64_t q = 0; q < np; q++)               /* acc: [np][M][PANEL] */
-                    for (int64_t m = 0; m < M; m++)
-                        store_panel(acc + (q * M + m) * PANEL, bias, (p0 + q) * PANEL, out,
-                                    otype, m * ldo);
+                    if (panels12 && M == 1) {
+#ifdef P12
+                        if (np == 4) p12_group_1_4(w, N, K, p0, end, xf, acc);
+                        else p12_group_1_1(w, N, K, p0, end, xf, acc);
+#endif
+                    } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
+                    else if (np == 2)                  /* rows in pairs, the odd one alone */
+                        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                            if (M - m0 >= 2)
+                                panel_group_2_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                            else panel_group_1_2(wp, K, xf + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                        }
+                    else if (!panels12)
+                        panel_rows(wp, K, xf, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL,
+                                   K * PANEL * 2);
+#ifdef P12
+                    else panel_rows(wp, K, xf, M, acc,
+                                    p0 + 1 < end ? p12_panel(w, N, K, p0 + 1) : NULL,
+                                    p12_panel_bytes(K));
+#endif
+                    for (int64_t q = 0; q < np; q++)               /* acc: [np][M][PANEL] */
+                        for (int64_t m = 0; m < M; m++)
+                            store_panel(acc + (q * M + m) * PANEL, bias, (p0 + q) * PANEL, out,
+                                        otype, m * ldo);
+                }
             }
             free(acc);
 #ifdef P12
             free(decoded);
 #endif
         }
+        free(sh);
         if (xs != NULL) free(xs);
         return failed;
     }
