@@ -1469,10 +1469,12 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         {
             float *acc = malloc((size_t)(M <= 4 ? 8 : M) * PANEL * sizeof(float));
 #ifdef P12
-            /* 12-bit panels: each decoded into this bfloat16 panel, then as the others */
-            uint16_t *decoded = panels12 ? aligned_alloc(64, ((size_t)K * PANEL * 2 + 63) & ~(size_t)63)
+            /* 12-bit panels at two rows or more: each decoded into this bfloat16 panel, then
+             * as the others (one row decodes in registers) */
+            const int decode12 = panels12 && M > 1;
+            uint16_t *decoded = decode12 ? aligned_alloc(64, ((size_t)K * PANEL * 2 + 63) & ~(size_t)63)
                                          : NULL;
-            if (panels12 && decoded == NULL) {
+            if (decode12 && decoded == NULL) {
                 free(acc);
                 acc = NULL;
             }
