@@ -222,7 +222,10 @@ def main() -> None:
                 "torch": TorchBackend(block_size, kv_heads, head_dim, dtype, cpu)}
 
     contexts = rng.integers(args.context // 2, args.context * 3 // 2, args.batch).tolist()
-    num_blocks = sum(-(-c // block_size) for c in contexts) * 5 // 4
+    # enough blocks for the decode contexts and for the prefill part's prompts (<= 256 each)
+    num_blocks = max(sum(-(-c // block_size) for c in contexts),
+                     args.prompts * -(-256 // block_size),
+                     -(-args.long_prompt // block_size)) * 5 // 4
     caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(kv_dtype)
                for _ in range(2)] for _ in range(args.layers)]  # a cache per layer
     kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * kv_dtype.itemsize * args.layers
