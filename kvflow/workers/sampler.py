@@ -35,24 +35,62 @@ class SamplingBatch:
     mask_bias: torch.Tensor | None = None
 
 
+# Top-p rows without top-k first look only at their TOP_P_WINDOW largest logits (a partial
+# sort); a row whose nucleus does not close inside them is done again over the whole vocabulary.
+TOP_P_WINDOW = 1024
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k, then top-p, then min-p exclude. logits: [batch, vocab]."""
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)         # [1, vocab]
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)                  # [batch, 1]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    """Mask (to -inf) what top-k, then top-p, then min-p exclude; the survivors keep their
+    values. logits: [batch, vocab] float32; top_k [batch] (<= 0: off), top_p [batch] (1: off),
+    min_p [batch] (0: off).
+
+    Only candidates are sorted: top-k's k largest logits, and for top-p without top-k the
+    TOP_P_WINDOW largest, whose probabilities (over the whole row's sum) nearly always reach
+    top_p; a row where they do not is done again over the whole vocabulary. min-p keeps a
+    token whose probability is at least min_p times the top one's, i.e. whose logit is at
+    least the top logit + log(min_p): no sort. (A full sort of the default model's 49152
+    logits took ~9 ms a row on a 2-core CPU, more than half a decode step.)"""
+    out = logits
+    rows = ((top_p < 1) | (top_k > 0)).nonzero().flatten()
+    if rows.numel():
+        vocab = logits.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        limited = top_k[rows] > 0
+        width = max(int(k[rows][limited].max()) if bool(limited.any()) else 0,
+                    0 if bool(limited.all()) else TOP_P_WINDOW)
+        out = logits.clone()
+        short = _top_k_top_p(out, logits, rows, top_k, k, top_p, min(width, vocab))
+        if short.numel():                            # nucleus wider than the window: again
+            _top_k_top_p(out, logits, short, top_k, k, top_p, vocab)
+    if bool((min_p > 0).any()):      # min-p last: the top logit is the same before and after
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p).unsqueeze(1)
+        out = out.masked_fill(logits < floor, float("-inf"))
+    return out
+
+
+def _top_k_top_p(out: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+                 top_k: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, width: int
+                 ) -> torch.Tensor:
+    """out[rows] = logits[rows] but -inf where top-k and top-p drop a token, looking at each
+    row's `width` largest logits; returns the rows whose nucleus may reach past them (top-p
+    without top-k, where those logits' probabilities sum below top_p)."""
+    row_logits, top_k, k, top_p = logits[rows], top_k[rows], k[rows], top_p[rows]
+    values, ids = row_logits.topk(width, dim=-1)                  # sorted, descending
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)
+    values = values.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))     # top-k
+    # Probabilities (float64) over what top-k kept, or over the whole row without top-k.
+    total = torch.where(top_k > 0, values.double().logsumexp(dim=-1),
+                        row_logits.double().logsumexp(dim=-1))
+    probs = (values.double() - total.unsqueeze(1)).exp()
+    cum = probs.cumsum(dim=-1)
     # Drop a token when the tokens above it already reach top_p (the top one always stays).
-    # top_p = 1 is "off": the float32 cumsum can round up to 1 before the tail, so skip it.
-    cum_before = probs.cumsum(dim=-1) - probs
-    drop = (cum_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    sorted_logits = sorted_logits.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1],
-                                              float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
+    drop = ((cum - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    out[rows] = torch.full_like(row_logits, float("-inf")).scatter(
+        -1, ids, values.masked_fill(drop, float("-inf")))
+    short = (top_p < 1) & (top_k <= 0) & (cum[:, -1] < top_p) & (width < logits.shape[-1])
+    return rows[short]
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
