@@ -79,6 +79,28 @@ def test_masks_match_the_reference() -> None:
         assert all(abs(got[i].item() - q) < 1e-6 for i, q in expected.items())
 
 
+def test_masks_of_wide_nuclei_and_large_k_match_the_reference() -> None:
+    """Top-p looks at the TOP_P_WINDOW largest logits first: a flat row whose nucleus is wider
+    is redone over the whole vocabulary; a top-k past the window sorts k candidates."""
+    from kvflow.workers import sampler
+    gen = torch.Generator().manual_seed(2)
+    vocab = 3 * sampler.TOP_P_WINDOW
+    logits = torch.randn(4, vocab, generator=gen) * torch.tensor([[0.05], [0.05], [4.0], [0.3]])
+    grid = [(1.0, -1, 0.9, 0.0),       # nucleus ~0.9 x vocab: past the window
+            (1.0, -1, 0.3, 0.0),       # ~0.3 x vocab: just inside or past it
+            (1.0, -1, 0.9, 0.0),       # peaked: inside the window
+            (1.0, 2500, 0.99, 0.01)]   # k past the window, then top-p and min-p
+    masked = apply_masks(logits, grid)
+    sizes = []
+    for row, (t, k, p, m) in enumerate(grid):
+        expected = reference_probs(logits[row].tolist(), t, k, p, m)
+        kept = torch.isfinite(masked[row]).nonzero().flatten().tolist()
+        assert sorted(kept) == sorted(expected), (row, len(kept), len(expected))
+        sizes.append(len(kept))
+    assert sizes[0] > sampler.TOP_P_WINDOW and sizes[3] > sampler.TOP_P_WINDOW
+    assert sizes[2] < sampler.TOP_P_WINDOW
+
+
 def test_masks_keep_at_least_the_top_token() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 3)
     masked = apply_masks(logits, [(1.0, 1, 1.0, 0.0), (1.0, -1, 0.01, 0.0), (1.0, -1, 1.0, 1.0)])
