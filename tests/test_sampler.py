@@ -259,3 +259,38 @@ def test_min_p_sampling_matches_renormalised_softmax() -> None:
     kept = reference_probs([1.2, 0.4, -0.3, 0.9, -1.0, 0.1], 1.0, -1, 1.0, 0.3)
     assert len(kept) == 4
     check_distribution(SamplingParams(temperature=1.0, min_p=0.3))
+
+
+# --- the CPU kernel's draw (cpu_ops.sample) against the torch path --------------------------
+
+def test_the_c_draw_picks_what_the_torch_path_picks(kernels: str) -> None:
+    """Sampler(draw=cpu_ops.sample) against the torch masks + inverse-CDF draw, fed the same
+    uniforms (same seed): the same token every time, across temperature, top-k, top-p, min-p
+    and their mixes, a wide nucleus, masked (-inf) tokens, seeded rows, and a tied top."""
+    from kvflow.kernels import cpu_ops
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = torch.randn(8, vocab, generator=gen) * 3
+    logits[5] *= 0.02                                    # flat: a nucleus past the window
+    logits[6, ::3] = float("-inf")                       # masked tokens
+    logits[7, 10] = logits[7, 20] = logits[7].max() + 2  # a tie at the top
+    params = [SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=50),
+              SamplingParams(temperature=1.5, top_k=10, top_p=0.8, min_p=0.05),
+              SamplingParams(temperature=0.5, min_p=0.2),
+              SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=0.8, top_k=200, top_p=0.7),
+              SamplingParams(temperature=1.2, top_p=0.5)]
+    torch_sampler, c_sampler = Sampler(11), Sampler(11, draw=cpu_ops.sample)
+    drawn = []
+    for step in range(150):
+        batch = SamplingBatch(params, [step] * len(params))
+        ours, _ = c_sampler(logits, batch)
+        theirs, _ = torch_sampler(logits, batch)
+        assert ours == theirs, step
+        drawn.append(ours)
+    # and the draws vary where they should: every row but the peaked ones takes many ids
+    distinct = [len({ids[row] for ids in drawn}) for row in range(len(params))]
+    assert distinct[0] > 3 and distinct[5] > 100 and distinct[4] > 20
+    assert all(ids[6] % 3 for ids in drawn)              # never a masked token

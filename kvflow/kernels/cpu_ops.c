@@ -1011,3 +1011,182 @@ int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_str
         }
     return 0;
 }
+
+/* --- Sampling a row: temperature, top-k, top-p, min-p, then one inverse-CDF draw ----------
+ * The CPU sampler's draw (workers/sampler.py) in one pass or a few over each row's logits,
+ * where the torch ops (a sort or topk, softmax, a float64 cumsum, searchsorted) took 0.3-2 ms
+ * a row of the default model's 49152 logits and 24-60 ms for 32 rows on a 2-core CPU.
+ * Same rules as sampler.apply_top_k_top_p_min_p and Sampler._draw: s = logits / temperature;
+ * top-k keeps the k largest; top-p, over what top-k kept (sorted, largest first), keeps a
+ * token while the probability above it is below top_p (the top one always); min-p keeps
+ * tokens with p >= min_p * p_max, i.e. s >= s_max + log(min_p). Each rule is a threshold on
+ * s, found without sorting the row: top-k by a histogram of the values' ordered keys (the
+ * bin holding the k-th largest, then a selection within it), top-p by a histogram of the
+ * probability mass over s_max - s in 1/8 steps (the bin where the mass reaches top_p, then
+ * that bin's few tokens sorted). Equal values at a threshold are all kept. The draw: the
+ * first token, in vocabulary order, whose running sum of exp(s - s_max) over the kept tokens
+ * passes u times their total (float64 sums), as searchsorted over the torch path's CDF. */
+typedef struct { float v; int32_t i; } Cand;
+
+static int cand_desc(const void *a, const void *b) {       /* larger first, then lower id */
+    const Cand *x = a, *y = b;
+    if (x->v != y->v) return x->v < y->v ? 1 : -1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+/* The k-th largest value (1-based) of c[0..n) by quickselect (c is reordered). */
+static float kth_largest(Cand *c, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        const float pivot = c[lo + (hi - lo) / 2].v;
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (c[i].v > pivot) i++;
+            while (c[j].v < pivot) j--;
+            if (i <= j) { const Cand t = c[i]; c[i] = c[j]; c[j] = t; i++, j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return pivot;
+    }
+    return c[want].v;
+}
+
+#define SAMPLE_BINS 512           /* s_max - s in [0, 64) by 1/8, the rest in the last bin */
+#define SAMPLE_CHUNK 256          /* the draw's running sums, a chunk at a time */
+
+static inline int64_t sample_bin(float s, float m) {
+    const float d = (m - s) * 8.0f;
+    return d < SAMPLE_BINS - 1 ? (int64_t)d : SAMPLE_BINS - 1;
+}
+
+/* The tokens of bins [b0, b1] with s >= floor into c; how many. */
+static int64_t sample_collect(const float *s, int64_t V, float m, int64_t b0, int64_t b1,
+                              float floor, Cand *c) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        const int64_t b = sample_bin(s[i], m);
+        if (b >= b0 && b <= b1 && s[i] >= floor) c[n].v = s[i], c[n].i = (int32_t)i, n++;
+    }
+    return n;
+}
+
+/* One row: the drawn token id, or -1 where scratch could not be allocated. s, e: V floats of
+ * scratch (the scaled logits and exp(s - s_max)). */
+static int64_t sample_row(const float *x, int64_t V, float t, int64_t k, float p, float min_p,
+                          double u, float *s, float *e) {
+    float m = x[0] / t;
+    for (int64_t i = 0; i < V; i++) {
+        s[i] = x[i] / t;
+        m = s[i] > m ? s[i] : m;
+    }
+    if (bits_f32(m) == bits_f32(-INFINITY)) return 0;     /* every token masked: none to draw */
+    {
+        int64_t i = 0;
+        for (; i + VL <= V; i += VL) *(vfu *)(e + i) = (vfu)vexp(loadv_f32(s + i) - m);
+        for (; i < V; i++) e[i] = expf(s[i] - m);
+    }
+    const int top_k = k > 0 && k < V, top_p = p < 1.0f;
+    float floor = -FLT_MAX;
+    if (top_k || top_p) {
+        /* Tokens and probability mass by bin (bin 0: the largest values). */
+        int64_t count[SAMPLE_BINS] = {0};
+        double mass[SAMPLE_BINS] = {0};
+        for (int64_t i = 0; i < V; i++) {
+            const int64_t b = sample_bin(s[i], m);
+            count[b]++, mass[b] += e[i];
+        }
+        Cand *c = malloc(sizeof(Cand) * (size_t)V);
+        if (c == NULL) return -1;
+        int64_t n = 0;                    /* the candidates, sorted (largest first) */
+        double total = 0.0;               /* top-p's 100%: the mass top-k keeps, or all */
+        if (top_k) {                      /* the bins down to the one holding the k-th */
+            int64_t above = 0, bin = 0;
+            while (above + count[bin] < k) above += count[bin++];
+            n = sample_collect(s, V, m, 0, bin, -FLT_MAX, c);
+            floor = kth_largest(c, n, k);
+            int64_t kept = 0;
+            for (int64_t j = 0; j < n; j++)
+                if (c[j].v >= floor) c[kept++] = c[j];
+            n = kept;
+            for (int64_t j = 0; j < n; j++) total += e[c[j].i];
+        } else {
+            for (int64_t b = 0; b < SAMPLE_BINS; b++) total += mass[b];
+        }
+        if (top_p) {
+            const double goal = (double)p * total;
+            double before = 0.0;
+            if (!top_k) {                 /* whole bins while their mass stays below top_p */
+                int64_t bin = 0;
+                while (bin < SAMPLE_BINS - 1 && before + mass[bin] < goal) before += mass[bin++];
+                n = sample_collect(s, V, m, bin, bin, -FLT_MAX, c);
+            }
+            qsort(c, (size_t)n, sizeof(Cand), cand_desc);
+            /* keep while the mass above stays below top_p (the first always), then the rest
+             * of the last kept value's ties */
+            int64_t j = 0;
+            while (j < n && (j == 0 || before < goal)) before += e[c[j++].i];
+            if (n > 0) floor = c[j - 1].v;
+        }
+        free(c);
+    }
+    if (min_p > 0.0f) {
+        const float f = m + logf(min_p);
+        floor = f > floor ? f : floor;
+    }
+    /* The draw: the first kept token whose running mass passes u times the kept total. */
+    const int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    double *sums = malloc(sizeof(double) * (size_t)chunks), total = 0.0;
+    if (sums == NULL) return -1;
+    for (int64_t c0 = 0, j = 0; c0 < V; c0 += SAMPLE_CHUNK, j++) {
+        const int64_t c1 = V - c0 < SAMPLE_CHUNK ? V : c0 + SAMPLE_CHUNK;
+        double sum = 0.0;
+        for (int64_t i = c0; i < c1; i++)
+            if (s[i] >= floor) sum += e[i];
+        sums[j] = sum, total += sum;
+    }
+    const double goal = u * total;
+    double run = 0.0;
+    int64_t id = -2;
+    for (int64_t c0 = 0, j = 0; c0 < V && id == -2; c0 += SAMPLE_CHUNK, j++) {
+        if (run + sums[j] <= goal && j + 1 < chunks) {
+            run += sums[j];
+            continue;
+        }
+        const int64_t c1 = V - c0 < SAMPLE_CHUNK ? V : c0 + SAMPLE_CHUNK;
+        for (int64_t i = c0; i < c1 && id == -2; i++)
+            if (s[i] >= floor && e[i] > 0.0f) {
+                run += e[i];
+                if (run > goal) id = i;
+            }
+    }
+    free(sums);
+    if (id >= 0) return id;
+    for (int64_t i = V - 1; i > 0; i--)   /* rounding at the very end: the last kept token */
+        if (s[i] >= floor && e[i] > 0.0f) return i;
+    return 0;
+}
+
+/* Rows of float32 logits (`stride` apart): out[r] = the token drawn with temperature[r],
+ * top_k[r] (<= 0: off), top_p[r] (1: off), min_p[r] (0: off) and the uniform u[r] in [0, 1).
+ * 0, or 2 where scratch memory could not be allocated. */
+int sample_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t V,
+                    const float *temperature, const int64_t *top_k, const float *top_p,
+                    const float *min_p, const double *u, int64_t *out) {
+    int failed = 0;
+    #pragma omp parallel for if (rows > 1) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t padded = (V + 15) & ~(int64_t)15;      /* floats: 64-byte multiples */
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)(2 * padded));
+        const int64_t id = s == NULL ? -1 : sample_row(x + r * stride, V, temperature[r],
+                                                       top_k[r], top_p[r], min_p[r], u[r], s,
+                                                       s + padded);
+        free(s);
+        if (id < 0) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        out[r] = id < 0 ? 0 : id;
+    }
+    return failed;
+}

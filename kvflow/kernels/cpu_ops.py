@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -171,6 +171,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.attention_work_items.restype = i64
     lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
+    lib.sample_rows_f32.restype = ctypes.c_int
+    sample_argtypes: list[Any] = [ptr, i64, i64, i64] + [ptr] * 6
+    lib.sample_rows_f32.argtypes = sample_argtypes
     return lib
 
 
@@ -249,6 +252,28 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  cache.data_ptr()):
             raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} "
                              f"slots: {slot_mapping.tolist()}")
+
+
+def sample(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+           top_p: Sequence[float], min_p: Sequence[float], u: torch.Tensor) -> torch.Tensor:
+    """One token a row of float32 logits [rows, vocab]: logits / temperature, masked by top-k
+    (<= 0: off), top-p (1: off) and min-p (0: off) as sampler.apply_top_k_top_p_min_p does,
+    then the first token whose running probability passes u (float64, [rows], in [0, 1)):
+    Sampler._draw's rules, without sorting the row (cpu_ops.c, sample_rows_f32)."""
+    rows, stride = _rows(logits, logits.shape[-1])
+    n = rows.shape[0]
+    assert rows.dtype == torch.float32 and u.dtype == torch.float64 and u.shape == (n,)
+    assert len(temperature) == len(top_k) == len(top_p) == len(min_p) == n
+    f32, i64 = ctypes.c_float * n, ctypes.c_int64 * n
+    u = u.contiguous()
+    out = torch.empty(n, dtype=torch.int64)
+    lib = library()
+    assert lib is not None, build_error()
+    if lib.sample_rows_f32(rows.data_ptr(), stride, n, rows.shape[1], f32(*temperature),
+                           i64(*top_k), f32(*top_p), f32(*min_p), u.data_ptr(),
+                           out.data_ptr()):
+        raise MemoryError("the CPU sampler could not allocate its scratch memory")
+    return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,10 @@ cumulative probability exceeds U (an exact draw from `probs`); a seeded request 
 from a generator seeded by (seed, output position), so its tokens do not depend on what else
 is in the batch, nor on preemption. Everything runs
 on the logits' device (on CUDA: CUDA generators, so seeded draws differ from the CPU's, but are
-as reproducible).
+as reproducible). On CPU with the C kernels the masks and the draw are one call
+(`cpu_ops.sample`, kernels/cpu_ops.c): the same rules from the same uniforms, by thresholds
+instead of sorts, 5-20x faster than these torch ops there (tests/test_sampler.py checks it
+picks the torch path's tokens).
 """
 from __future__ import annotations
 
@@ -97,13 +100,20 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# (logits [rows, vocab] float32, temperature, top_k, top_p, min_p (a value a row), u [rows]
+# float64) -> ids: the masks and the draw of `Sampler._draw` in one call (cpu_ops.sample).
+Draw = Callable[[torch.Tensor, Sequence[float], Sequence[int], Sequence[float],
+                 Sequence[float], torch.Tensor], torch.Tensor]
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), draw: Draw | None = None) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = argmax        # row argmax, first index of the max (the C one on CPU)
         self.eos_token_ids = tuple(eos_token_ids)      # masked while below min_tokens
+        self.draw = draw            # masks + draw in one call (the C one on CPU), else torch
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
@@ -117,12 +127,13 @@ class Sampler:
             scores = self._process(logits, batch)                   # float32 copy
         if batch.mask_bias is not None:
             scores = self._constrain(logits, scores, batch)         # float32 copy
-        token_ids = self.argmax(scores)
-        if not all(p.greedy for p in params):
-            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            drawn = self._draw(scores.float(), batch)
-            token_ids = torch.where(greedy, token_ids, drawn)
-        ids = token_ids.tolist()
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            ids = self.argmax(scores).tolist()
+        else:
+            drawn = self._draw(scores.float(), batch).tolist()
+            best = self.argmax(scores).tolist() if any(greedy) else drawn
+            ids = [b if g else d for g, b, d in zip(greedy, best, drawn)]
         return ids, self._logprobs(logits, params, ids)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -157,20 +168,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
         device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        logits = logits / temperature.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            logits = apply_top_k_top_p_min_p(
-                logits, torch.tensor([min(p.top_k, logits.shape[-1]) for p in params],
-                                     device=device),
-                torch.tensor([p.top_p for p in params], device=device),
-                torch.tensor([p.min_p for p in params], device=device))
-        # Inverse-CDF draw: one uniform per row against the running sum of its probabilities
-        # (the first token whose cumulative probability exceeds it). One random number a row
-        # instead of one per vocabulary entry: 32 rows x 49k vocab drew exponential noise in
-        # 30 ms on CPU, this takes ~2 ms.
-        # float64 sums: float32 could not tell tail probabilities below ~3e-8 apart.
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)   # [batch, vocab]
+        # One uniform per row: the batch generator's, or a seeded request's own.
         u = torch.rand(len(params), generator=self.generator, device=device,
                        dtype=torch.float64)
         for i, p in enumerate(params):
@@ -178,6 +176,21 @@ class Sampler:
                 gen = torch.Generator(device).manual_seed(
                     _mix(p.seed, batch.output_positions[i]))
                 u[i] = torch.rand(1, generator=gen, device=device, dtype=torch.float64)[0]
+        columns = ([p.temperature or 1.0 for p in params],
+                   [min(p.top_k, logits.shape[-1]) for p in params],
+                   [p.top_p for p in params], [p.min_p for p in params])
+        if self.draw is not None:
+            return self.draw(logits, *columns, u)
+        temperature, top_k, top_p, min_p = (torch.tensor(c, device=device) for c in columns)
+        logits = logits / temperature.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+        # Inverse-CDF draw: one uniform per row against the running sum of its probabilities
+        # (the first token whose cumulative probability exceeds it). One random number a row
+        # instead of one per vocabulary entry: 32 rows x 49k vocab drew exponential noise in
+        # 30 ms on CPU, this takes ~2 ms.
+        # float64 sums: float32 could not tell tail probabilities below ~3e-8 apart.
+        cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)   # [batch, vocab]
         u = (u * cdf[:, -1]).unsqueeze(1)                  # the sum is 1 within rounding
         ids = torch.searchsorted(cdf, u, right=True).squeeze(1)
         return ids.clamp_(max=cdf.shape[1] - 1)

@@ -1,7 +1,7 @@
 """The implementations a model is built with, chosen once by the worker before the build.
 
 The small elementwise ops (RMSNorm, alone or fused with the residual add before it,
-SiLU-and-mul, rotary), the sampler's argmax and the way
+SiLU-and-mul, rotary), the sampler's argmax and draw, and the way
 linear layers hold their weights come in three sets; every layer receives the chosen set in its
 constructor and keeps it, so the model that runs is the one `models/llama.py` builds:
 
@@ -29,7 +29,7 @@ from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, 
                                          int8_gemv_rows)
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
-from kvflow.workers.sampler import torch_argmax
+from kvflow.workers.sampler import Draw, torch_argmax
 
 Tensor = torch.Tensor
 
@@ -43,6 +43,7 @@ class Ops:
     apply_rotary: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     argmax: Callable[[Tensor], Tensor] = torch_argmax       # row argmax, first index of the max
     linear: LinearMethod = LinearMethod()                   # how linear layers hold weights
+    sample: Draw | None = None         # the sampler's masks and draw in one call (Sampler._draw)
 
 
 TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
@@ -138,5 +139,5 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_panels12 if use_panels12() else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
-                   cpu_ops.apply_rotary, cpu_ops.argmax, linear)
+                   cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample)
     return Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary, linear=linear)
