@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLo
                           SequenceBiasLogitsProcessor)
 
 from kvflow import LLM
+from kvflow.kernels import cpu_ops
 from kvflow.core.validation import check_request
 from kvflow.frontend.outputs import RequestOutput, RequestTracker
 from kvflow.ipc.messages import RequestDelta
@@ -45,9 +47,24 @@ def random_logits(num_rows: int, seed: int) -> torch.Tensor:
     return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+# The implementation under test: the torch ops, or the C kernels the CPU worker uses
+# (cpu_ops.penalize and cpu_ops.sample); set by the `impl` fixture.
+IMPL: dict = {}
+
+
+@pytest.fixture(params=["torch", "c"])
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    IMPL.clear()
+    if request.param == "c":
+        IMPL.update(penalize=cpu_ops.penalize, draw=cpu_ops.sample, argmax=cpu_ops.argmax)
+    yield str(request.param)
+    IMPL.clear()
+
+
 def process(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
             num_outputs: list[int]) -> torch.Tensor:
-    return apply_logits_processors(logits.clone(), params, token_ids, num_outputs, EOS_IDS)
+    return apply_logits_processors(logits.clone(), params, token_ids, num_outputs, EOS_IDS,
+                                   IMPL.get("penalize"))
 
 
 def reference(row: list[float], p: SamplingParams, token_ids: list[int], num_output: int
@@ -77,7 +94,7 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor | list[float]) -> Non
 
 # --- each processor against its reference ------------------------------------------------
 
-def test_repetition_penalty_matches_hf() -> None:
+def test_repetition_penalty_matches_hf(impl: str) -> None:
     penalties = [0.5, 1.0, 1.3, 2.0, 1.3, 0.8]
     logits = random_logits(len(penalties), seed=0)
     token_ids, num_outputs = histories(len(penalties), seed=0)
@@ -90,7 +107,7 @@ def test_repetition_penalty_matches_hf() -> None:
     assert torch.equal(got[1], logits[1])                          # 1.0 is off
 
 
-def test_logit_bias_matches_hf_sequence_bias() -> None:
+def test_logit_bias_matches_hf_sequence_bias(impl: str) -> None:
     rng = random.Random(1)
     biases = [{rng.randrange(VOCAB): rng.uniform(-100, 100) for _ in range(n)}
               for n in (1, 5, 0, 12)]
@@ -107,7 +124,7 @@ def test_logit_bias_matches_hf_sequence_bias() -> None:
         assert_close(got[i], hf[0])
 
 
-def test_min_tokens_matches_hf_and_masks_stop_token_ids() -> None:
+def test_min_tokens_matches_hf_and_masks_stop_token_ids(impl: str) -> None:
     # (min_tokens, outputs so far): below the minimum, exactly at it, past it, and off.
     cases = [(3, 0), (3, 2), (3, 3), (3, 7), (1, 0), (0, 0), (15, 14)]
     logits = random_logits(len(cases), seed=2)
@@ -122,7 +139,7 @@ def test_min_tokens_matches_hf_and_masks_stop_token_ids() -> None:
         assert bool(torch.isinf(got[i, [EOS, 5, 7, 40]]).all()) == (n < m)
 
 
-def test_frequency_and_presence_count_output_tokens_only() -> None:
+def test_frequency_and_presence_count_output_tokens_only(impl: str) -> None:
     settings = [(0.5, 0.0), (0.0, 1.5), (-1.0, 2.0), (2.0, -2.0), (0.0, 0.0), (0.3, 0.7)]
     logits = random_logits(len(settings), seed=3)
     token_ids, num_outputs = histories(len(settings), seed=3)
@@ -155,7 +172,7 @@ def all_settings(num_rows: int, seed: int) -> list[SamplingParams]:
     return rows
 
 
-def test_all_processors_together_in_vllm_order() -> None:
+def test_all_processors_together_in_vllm_order(impl: str) -> None:
     params = all_settings(9, seed=4)
     logits = random_logits(9, seed=4)
     token_ids, num_outputs = histories(9, seed=4)
@@ -170,10 +187,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[l
            num_outputs: list[int], seed: int = 0
            ) -> tuple[list[int], list[dict[int, float]] | None]:
     batch = SamplingBatch(params, num_outputs, token_ids)
-    return Sampler(seed, eos_token_ids=EOS_IDS)(logits, batch)
+    return Sampler(seed, eos_token_ids=EOS_IDS, **IMPL)(logits, batch)
 
 
-def test_greedy_takes_the_argmax_of_the_processed_logits() -> None:
+def test_greedy_takes_the_argmax_of_the_processed_logits(impl: str) -> None:
     params = [SamplingParams(temperature=0.0, repetition_penalty=3.0, frequency_penalty=2.0,
                              logprobs=2)] * 12
     logits = random_logits(12, seed=5)
@@ -188,7 +205,7 @@ def test_greedy_takes_the_argmax_of_the_processed_logits() -> None:
         assert all(abs(v - raw[i, t].item()) < 1e-5 for t, v in entry.items())
 
 
-def test_plain_rows_are_unaffected_by_penalised_rows() -> None:
+def test_plain_rows_are_unaffected_by_penalised_rows(impl: str) -> None:
     plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11),
              SamplingParams(temperature=1.0, top_k=8), SamplingParams(top_p=0.7, seed=3)]
     penalised = all_settings(6, seed=6)[:2] + [SamplingParams(temperature=1.0, min_tokens=2,
@@ -218,7 +235,7 @@ def test_no_processing_without_settings(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(ids) == 2
 
 
-def test_seeded_penalised_row_is_independent_of_the_batch() -> None:
+def test_seeded_penalised_row_is_independent_of_the_batch(impl: str) -> None:
     target = SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.5,
                             frequency_penalty=0.5, presence_penalty=0.5, logit_bias={3: 2.0})
     logits = random_logits(1, seed=8)[0] * 0.3                      # flat: many likely tokens

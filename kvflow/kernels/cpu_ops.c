@@ -1215,3 +1215,51 @@ int sample_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t V,
     }
     return failed;
 }
+
+/* --- Penalties: HF's repetition penalty over prompt + output, OpenAI's frequency and presence
+ * penalties over the output (workers/logits_processors.py, the same rules and order), in
+ * place on float32 logits rows. Row j of the call is logits row row_index[j]; its tokens are
+ * ids[offsets[j] .. offsets[j + 1]), the last num_outputs[j] of them outputs. Each distinct
+ * token is changed once: x / rep if x > 0 else x * rep, then x - (freq * count + pres) where
+ * the output holds it `count` > 0 times. Ids outside [0, V) are ignored. The torch version
+ * (torch.unique over row * vocab + id keys, index_select / index_copy of the rows) took
+ * ~0.8 ms for one row of a 600-token history and ~14 ms for 32 on a 2-core CPU. 0, or 2
+ * where scratch memory could not be allocated. */
+int penalize_rows_f32(float *x, int64_t stride, int64_t V, int64_t rows,
+                      const int64_t *row_index, const int64_t *ids, const int64_t *offsets,
+                      const int64_t *num_outputs, const float *rep, const float *freq,
+                      const float *pres) {
+    int failed = 0;
+    #pragma omp parallel for if (rows > 1) schedule(dynamic, 1)
+    for (int64_t j = 0; j < rows; j++) {
+        /* per token: bit 0 seen, bit 1 done, the output count from bit 2 */
+        uint32_t *state = calloc((size_t)V, sizeof(uint32_t));
+        if (state == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+            continue;
+        }
+        const int64_t begin = offsets[j], end = offsets[j + 1];
+        const int64_t first_output = end - num_outputs[j];
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t t = ids[i];
+            if (t < 0 || t >= V) continue;
+            state[t] |= 1u;
+            if (i >= first_output) state[t] += 4u;
+        }
+        float *row = x + row_index[j] * stride;
+        const float r = rep[j], f = freq[j], p = pres[j];
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t t = ids[i];
+            if (t < 0 || t >= V || (state[t] & 2u)) continue;
+            state[t] |= 2u;
+            float v = row[t];
+            if (r != 1.0f) v = v > 0.0f ? v / r : v * r;
+            const uint32_t count = state[t] >> 2;
+            if (count > 0 && (f != 0.0f || p != 0.0f)) v -= f * (float)count + p;
+            row[t] = v;
+        }
+        free(state);
+    }
+    return failed;
+}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -31,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvflow.config import cache_dir
@@ -174,6 +176,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.sample_rows_f32.restype = ctypes.c_int
     sample_argtypes: list[Any] = [ptr, i64, i64, i64] + [ptr] * 6
     lib.sample_rows_f32.argtypes = sample_argtypes
+    lib.penalize_rows_f32.restype = ctypes.c_int
+    penalize_argtypes: list[Any] = [ptr, i64, i64, i64] + [ptr] * 7
+    lib.penalize_rows_f32.argtypes = penalize_argtypes
     return lib
 
 
@@ -274,6 +279,31 @@ def sample(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[i
                            out.data_ptr()):
         raise MemoryError("the CPU sampler could not allocate its scratch memory")
     return out
+
+
+def penalize(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[Sequence[int]],
+             num_outputs: Sequence[int], repetition: Sequence[float],
+             frequency: Sequence[float], presence: Sequence[float]) -> None:
+    """The repetition, frequency and presence penalties, in place on float32 logits
+    [batch, vocab], for the listed rows: row rows[j] with token history token_ids[j] (prompt +
+    output, its last num_outputs[j] the output) and those penalties
+    (logits_processors.apply_penalties' rules, cpu_ops.c penalize_rows_f32)."""
+    assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+    n = len(rows)
+    lengths = np.fromiter((len(t) for t in token_ids), np.int64, n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, int(offsets[-1]))
+    index = np.asarray(rows, dtype=np.int64)
+    outputs = np.asarray(num_outputs, dtype=np.int64)
+    f32 = ctypes.c_float * n
+    lib = library()
+    assert lib is not None, build_error()
+    if lib.penalize_rows_f32(logits.data_ptr(), logits.stride(0), logits.shape[1], n,
+                             index.ctypes.data, ids.ctypes.data, offsets.ctypes.data,
+                             outputs.ctypes.data, f32(*repetition), f32(*frequency),
+                             f32(*presence)):
+        raise MemoryError("the CPU penalties could not allocate their scratch memory")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

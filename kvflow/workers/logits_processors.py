@@ -9,7 +9,7 @@ seen (torch.unique over row * vocab + id keys), never a Python loop or a [rows, 
 from __future__ import annotations
 
 from itertools import chain
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,14 +17,27 @@ import torch
 from kvflow.sampling_params import SamplingParams
 
 
+# (logits, rows, their token histories, their output counts, repetition, frequency and
+# presence penalties a row) -> None, in place: apply_penalties' rules (cpu_ops.penalize).
+Penalize = Callable[[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[int],
+                     Sequence[float], Sequence[float], Sequence[float]], None]
+
+
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
                             token_ids: Sequence[list[int]], output_positions: list[int],
-                            eos_token_ids: Sequence[int]) -> torch.Tensor:
+                            eos_token_ids: Sequence[int],
+                            penalize: Penalize | None = None) -> torch.Tensor:
     """logits: [batch, vocab] float32, changed in place and returned. token_ids[i]: row i's
-    prompt + output so far, of which the last output_positions[i] are outputs."""
+    prompt + output so far, of which the last output_positions[i] are outputs. `penalize`:
+    the penalties in one call (the C one on CPU), else apply_penalties' torch ops."""
     _mask_and_bias(logits, params, output_positions, eos_token_ids)
     rows = [i for i, p in enumerate(params) if _has_penalty(p)]
-    if rows:
+    if rows and penalize is not None:
+        penalize(logits, rows, [token_ids[i] for i in rows], [output_positions[i] for i in rows],
+                 [params[i].repetition_penalty for i in rows],
+                 [params[i].frequency_penalty for i in rows],
+                 [params[i].presence_penalty for i in rows])
+    elif rows:
         index = torch.tensor(rows, device=logits.device)
         picked = logits.index_select(0, index)                      # [rows, vocab]
         apply_penalties(picked, [params[i] for i in rows], [token_ids[i] for i in rows],

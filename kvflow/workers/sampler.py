@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvflow.sampling_params import SamplingParams
-from kvflow.workers.logits_processors import apply_logits_processors
+from kvflow.workers.logits_processors import Penalize, apply_logits_processors
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,13 @@ Draw = Callable[[torch.Tensor, Sequence[float], Sequence[int], Sequence[float],
 class Sampler:
     def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
-                 eos_token_ids: Sequence[int] = (), draw: Draw | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), draw: Draw | None = None,
+                 penalize: Penalize | None = None) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = argmax        # row argmax, first index of the max (the C one on CPU)
         self.eos_token_ids = tuple(eos_token_ids)      # masked while below min_tokens
         self.draw = draw            # masks + draw in one call (the C one on CPU), else torch
+        self.penalize = penalize    # the penalties in one call (the C one on CPU), else torch
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
@@ -142,7 +144,7 @@ class Sampler:
         assert len(batch.token_ids) == len(batch.params), "processing needs the token ids"
         return apply_logits_processors(logits.to(torch.float32, copy=True), batch.params,
                                        batch.token_ids, batch.output_positions,
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, self.penalize)
 
     @staticmethod
     def _constrain(logits: torch.Tensor, scores: torch.Tensor, batch: SamplingBatch

@@ -190,7 +190,7 @@ class Worker:
 
     def _make_runner(self) -> ModelRunner:
         sampler = Sampler(self.config.seed, self.device, self.ops.argmax,
-                          self.config.model.eos_token_ids, self.ops.sample)
+                          self.config.model.eos_token_ids, self.ops.sample, self.ops.penalize)
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
                            self.dtype, self.drafter, self.async_scheduling)
 

@@ -29,6 +29,7 @@ from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, 
                                          int8_gemv_rows)
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
+from kvflow.workers.logits_processors import Penalize
 from kvflow.workers.sampler import Draw, torch_argmax
 
 Tensor = torch.Tensor
@@ -44,6 +45,7 @@ class Ops:
     argmax: Callable[[Tensor], Tensor] = torch_argmax       # row argmax, first index of the max
     linear: LinearMethod = LinearMethod()                   # how linear layers hold weights
     sample: Draw | None = None         # the sampler's masks and draw in one call (Sampler._draw)
+    penalize: Penalize | None = None   # the sampler's penalties in one call
 
 
 TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
@@ -139,5 +141,6 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_panels12 if use_panels12() else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
-                   cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample)
+                   cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
+                   cpu_ops.penalize)
     return Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary, linear=linear)
