@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Iterator
 
+import pytest
 import torch
 
 from kvflow.sampling_params import SamplingParams
@@ -53,10 +55,25 @@ def apply_masks(logits: torch.Tensor, params: list[tuple[float, int, float, floa
     return apply_top_k_top_p_min_p(logits / temperature.unsqueeze(1), top_k, top_p, min_p)
 
 
+# The implementation under test: torch ops, or the C kernels the CPU worker's sampler calls
+# (cpu_ops.sample, argmax and logprobs); set by the `impl` fixture.
+IMPL: dict = {}
+
+
+@pytest.fixture(params=["torch", "c"])
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    from kvflow.kernels import cpu_ops
+    IMPL.clear()
+    if request.param == "c":
+        IMPL.update(draw=cpu_ops.sample, argmax=cpu_ops.argmax, top_logprobs=cpu_ops.logprobs)
+    yield str(request.param)
+    IMPL.clear()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int] | None = None,
            seed: int = 0) -> tuple[list[int], list[dict[int, float]] | None]:
     positions = [0] * len(params) if positions is None else positions
-    return Sampler(seed)(logits, SamplingBatch(params, positions))
+    return Sampler(seed, **IMPL)(logits, SamplingBatch(params, positions))
 
 
 # --- masks -------------------------------------------------------------------------------
@@ -120,7 +137,7 @@ def test_rows_without_filters_keep_every_token_in_a_mixed_batch() -> None:
 
 # --- greedy and seeds --------------------------------------------------------------------
 
-def test_greedy_rows_are_argmax() -> None:
+def test_greedy_rows_are_argmax(impl: str) -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(8, 50, generator=gen)
     params = [SamplingParams(temperature=0.0) if i % 2 == 0 else
@@ -133,7 +150,7 @@ def test_greedy_rows_are_argmax() -> None:
     assert all_greedy == argmax
 
 
-def test_bf16_logits_give_the_float32_results() -> None:
+def test_bf16_logits_give_the_float32_results(impl: str) -> None:
     """The runner hands the LM head's logits over as they are: greedy rows take their argmax
     directly (torch's, and the CPU kernel's when the cpu backend runs); draws and logprobs are
     computed from float32 copies, so a bf16 batch gives exactly the float32 batch's results."""
@@ -148,11 +165,11 @@ def test_bf16_logits_give_the_float32_results() -> None:
     assert sample(logits, params, seed=3) == expected
     assert expected[0][1] == 7
     if cpu_ops.library() is not None:
-        sampler = Sampler(3, argmax=cpu_ops.argmax)
+        sampler = Sampler(3, **{**IMPL, "argmax": cpu_ops.argmax})
         assert sampler(logits, SamplingBatch(params, [0] * 6)) == expected
 
 
-def test_sampled_tokens_are_always_allowed_by_the_masks() -> None:
+def test_sampled_tokens_are_always_allowed_by_the_masks(impl: str) -> None:
     gen = torch.Generator().manual_seed(3)
     grid = [(0.7, 5, 1.0, 0.0), (1.0, -1, 0.6, 0.0), (1.3, -1, 1.0, 0.3), (1.0, 8, 0.9, 0.1)]
     logits = torch.randn(400, 30, generator=gen)
@@ -176,7 +193,7 @@ def seeded_batch_tokens(logits: torch.Tensor, row: int, target: SamplingParams,
     return ids[row]
 
 
-def test_seeded_request_is_independent_of_the_batch() -> None:
+def test_seeded_request_is_independent_of_the_batch(impl: str) -> None:
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(100, generator=gen) * 0.5                 # flat: many likely tokens
     target = SamplingParams(temperature=1.0, seed=1234)
@@ -193,7 +210,7 @@ def tokens_over_positions(logits: torch.Tensor, seed: int, num_positions: int) -
     return ids
 
 
-def test_different_seeds_and_positions_give_different_tokens() -> None:
+def test_different_seeds_and_positions_give_different_tokens(impl: str) -> None:
     logits = torch.zeros(50)                                       # uniform over 50 tokens
     a = tokens_over_positions(logits, seed=1, num_positions=60)
     b = tokens_over_positions(logits, seed=2, num_positions=60)
@@ -205,7 +222,7 @@ def test_different_seeds_and_positions_give_different_tokens() -> None:
 
 # --- logprobs ----------------------------------------------------------------------------
 
-def test_logprobs_are_top_k_plus_sampled_from_raw_logits() -> None:
+def test_logprobs_are_top_k_plus_sampled_from_raw_logits(impl: str) -> None:
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 200, generator=gen) * 2
     params = [SamplingParams(temperature=0.0, logprobs=3),
@@ -244,18 +261,18 @@ def check_distribution(params: SamplingParams, num_draws: int = 20000) -> None:
     assert statistic < CHI2_CRITICAL_P001[df], (statistic, counts, expected)
 
 
-def test_temperature_sampling_matches_softmax() -> None:
+def test_temperature_sampling_matches_softmax(impl: str) -> None:
     check_distribution(SamplingParams(temperature=0.7))            # all 6 tokens, df = 5
 
 
-def test_top_k_top_p_sampling_matches_renormalised_softmax() -> None:
+def test_top_k_top_p_sampling_matches_renormalised_softmax(impl: str) -> None:
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     kept = reference_probs([1.2, 0.4, -0.3, 0.9, -1.0, 0.1], 0.7, 5, 0.9, 0.0)
     assert len(kept) == 4                                          # both masks bite
     check_distribution(params)
 
 
-def test_min_p_sampling_matches_renormalised_softmax() -> None:
+def test_min_p_sampling_matches_renormalised_softmax(impl: str) -> None:
     kept = reference_probs([1.2, 0.4, -0.3, 0.9, -1.0, 0.1], 1.0, -1, 1.0, 0.3)
     assert len(kept) == 4
     check_distribution(SamplingParams(temperature=1.0, min_p=0.3))

@@ -56,7 +56,8 @@ IMPL: dict = {}
 def impl(request: pytest.FixtureRequest) -> Iterator[str]:
     IMPL.clear()
     if request.param == "c":
-        IMPL.update(penalize=cpu_ops.penalize, draw=cpu_ops.sample, argmax=cpu_ops.argmax)
+        IMPL.update(penalize=cpu_ops.penalize, draw=cpu_ops.sample, argmax=cpu_ops.argmax,
+                    top_logprobs=cpu_ops.logprobs)
     yield str(request.param)
     IMPL.clear()
 

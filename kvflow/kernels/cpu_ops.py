@@ -179,6 +179,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.penalize_rows_f32.restype = ctypes.c_int
     penalize_argtypes: list[Any] = [ptr, i64, i64, i64] + [ptr] * 7
     lib.penalize_rows_f32.argtypes = penalize_argtypes
+    lib.logprobs_rows_f32.restype = None
+    logprobs_argtypes: list[Any] = [ptr, i64, i64, i64, ptr, i64] + [ptr] * 4
+    lib.logprobs_rows_f32.argtypes = logprobs_argtypes
     return lib
 
 
@@ -304,6 +307,29 @@ def penalize(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[Sequ
                              outputs.ctypes.data, f32(*repetition), f32(*frequency),
                              f32(*presence)):
         raise MemoryError("the CPU penalties could not allocate their scratch memory")
+
+
+def logprobs(logits: torch.Tensor, top_n: Sequence[int], chosen: Sequence[int]
+             ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per row of float32 logits [rows, vocab]: the log-softmax at token chosen[r], and the
+    top_n[r] (0..vocab) largest tokens' (id, log-softmax), largest first (cpu_ops.c,
+    logprobs_rows_f32: Sampler._logprobs' values without a row-wide log_softmax)."""
+    rows, stride = _rows(logits, logits.shape[-1])
+    n, vocab = rows.shape
+    assert rows.dtype == torch.float32 and len(top_n) == len(chosen) == n
+    assert all(0 <= t < vocab for t in chosen)
+    width = max(max(top_n, default=0), 1)
+    i64 = ctypes.c_int64 * n
+    chosen_lp = (ctypes.c_float * n)()
+    values = np.zeros((n, width), dtype=np.float32)
+    ids = np.zeros((n, width), dtype=np.int64)
+    lib = library()
+    assert lib is not None, build_error()
+    lib.logprobs_rows_f32(rows.data_ptr(), stride, n, vocab, i64(*top_n), width, i64(*chosen),
+                          chosen_lp, values.ctypes.data, ids.ctypes.data)
+    tops = [list(zip(ids[r, :k].tolist(), values[r, :k].tolist()))
+            for r, k in enumerate(min(k, vocab) for k in top_n)]
+    return list(chosen_lp), tops
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -104,18 +104,24 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 # float64) -> ids: the masks and the draw of `Sampler._draw` in one call (cpu_ops.sample).
 Draw = Callable[[torch.Tensor, Sequence[float], Sequence[int], Sequence[float],
                  Sequence[float], torch.Tensor], torch.Tensor]
+# (logits [rows, vocab] float32, top n a row, the chosen id a row) -> (the chosen ids' logprobs,
+# each row's top n (id, logprob), largest first): `Sampler._logprobs` (cpu_ops.logprobs).
+TopLogprobs = Callable[[torch.Tensor, Sequence[int], Sequence[int]],
+                       tuple[list[float], list[list[tuple[int, float]]]]]
 
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
                  eos_token_ids: Sequence[int] = (), draw: Draw | None = None,
-                 penalize: Penalize | None = None) -> None:
+                 penalize: Penalize | None = None,
+                 top_logprobs: TopLogprobs | None = None) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.argmax = argmax        # row argmax, first index of the max (the C one on CPU)
         self.eos_token_ids = tuple(eos_token_ids)      # masked while below min_tokens
         self.draw = draw            # masks + draw in one call (the C one on CPU), else torch
         self.penalize = penalize    # the penalties in one call (the C one on CPU), else torch
+        self.top_logprobs = top_logprobs      # logprobs in one call (the C one on CPU)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float]] | None]:
@@ -197,12 +203,14 @@ class Sampler:
         ids = torch.searchsorted(cdf, u, right=True).squeeze(1)
         return ids.clamp_(max=cdf.shape[1] - 1)
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
+    def _logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
                   ids: list[int]) -> list[dict[int, float]] | None:
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return None
+        if self.top_logprobs is not None:                                 # raw, unmasked
+            chosen, tops = self.top_logprobs(logits.float(), [k or 0 for k in wanted], ids)
+            return [{**dict(top), ids[i]: chosen[i]} for i, top in enumerate(tops)]
         logprobs = logits.float().log_softmax(dim=-1)                      # raw, unmasked
         top_values, top_ids = logprobs.topk(max(k or 0 for k in wanted) or 1, dim=-1)
         out = []

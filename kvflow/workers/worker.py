@@ -190,7 +190,8 @@ class Worker:
 
     def _make_runner(self) -> ModelRunner:
         sampler = Sampler(self.config.seed, self.device, self.ops.argmax,
-                          self.config.model.eos_token_ids, self.ops.sample, self.ops.penalize)
+                          self.config.model.eos_token_ids, self.ops.sample, self.ops.penalize,
+                          self.ops.top_logprobs)
         return ModelRunner(self.model, self.backend, sampler, self.tp.rank == 0, self.device,
                            self.dtype, self.drafter, self.async_scheduling)
 

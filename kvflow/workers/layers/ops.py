@@ -30,7 +30,7 @@ from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, 
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.logits_processors import Penalize
-from kvflow.workers.sampler import Draw, torch_argmax
+from kvflow.workers.sampler import Draw, TopLogprobs, torch_argmax
 
 Tensor = torch.Tensor
 
@@ -46,6 +46,7 @@ class Ops:
     linear: LinearMethod = LinearMethod()                   # how linear layers hold weights
     sample: Draw | None = None         # the sampler's masks and draw in one call (Sampler._draw)
     penalize: Penalize | None = None   # the sampler's penalties in one call
+    top_logprobs: TopLogprobs | None = None     # the sampler's logprobs in one call
 
 
 TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
@@ -142,5 +143,5 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
-                   cpu_ops.penalize)
+                   cpu_ops.penalize, cpu_ops.logprobs)
     return Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary, linear=linear)
