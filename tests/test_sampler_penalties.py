@@ -353,3 +353,33 @@ def test_end_to_end_logit_bias_and_min_tokens(tiny_models: dict[str, str]) -> No
     assert eos_first.finish_reason == "stop" and len(eos_first.token_ids) == 5
     assert eos_first.token_ids[-1] == eos and eos not in eos_first.token_ids[:4]
     assert len(plain.token_ids) == 6 and plain.token_ids != forced.token_ids
+
+
+def test_the_c_penalties_match_the_torch_ops_on_long_histories() -> None:
+    """cpu_ops.penalize against apply_penalties' torch ops at a real vocabulary's size: long
+    histories with many repeats, rows without outputs, rows the call skips untouched."""
+    from kvflow.workers.logits_processors import apply_penalties
+    rng = random.Random(12)
+    vocab, rows = 5000, 8
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(12)) * 4
+    token_ids = [[rng.randrange(vocab // (1 + r)) for _ in range(rng.randint(1, 900))]
+                 for r in range(rows)]
+    num_outputs = [rng.choice((0, 1, len(t) // 2, len(t))) for t in token_ids]
+    params = [SamplingParams(repetition_penalty=rng.uniform(0.5, 2.0),
+                             frequency_penalty=rng.uniform(-2, 2),
+                             presence_penalty=rng.uniform(-2, 2)) for _ in range(rows)]
+    picked = [0, 2, 3, 5, 6]                              # rows 1, 4, 7: not asked
+    expected = logits.clone()
+    part = expected[picked]
+    apply_penalties(part, [params[i] for i in picked], [token_ids[i] for i in picked],
+                    [num_outputs[i] for i in picked])
+    expected[picked] = part
+    got = logits.clone()
+    cpu_ops.penalize(got, picked, [token_ids[i] for i in picked],
+                     [num_outputs[i] for i in picked],
+                     [params[i].repetition_penalty for i in picked],
+                     [params[i].frequency_penalty for i in picked],
+                     [params[i].presence_penalty for i in picked])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[[1, 4, 7]], logits[[1, 4, 7]])
+    assert not torch.equal(got[picked], logits[picked])
