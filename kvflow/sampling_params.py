@@ -15,6 +15,7 @@ import msgspec
 
 # The most top logprobs a request may ask for; the sampler computes a top-k of this size.
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5             # temperatures below this sample greedily
 MAX_STOP_STRINGS = 32           # stop strings per request (OpenAI allows 4)
 MAX_STOP_STRING_CHARS = 512     # characters per stop string (streamed text is held back by it)
 MAX_STOP_TOKEN_IDS = 256
@@ -62,7 +63,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Decoding settings of one request. temperature 0 means greedy.
+    """Decoding settings of one request. temperature 0 (or below 1e-5) means greedy.
 
     `logprobs=k` returns, per generated token, a dict token id -> logprob of the top k tokens
     plus the sampled one (log-softmax of the raw logits, before temperature or masks).
@@ -169,7 +170,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below 1e-5 (vLLM's rule): logits / T would overflow or leave
+        every other token a probability of 0 in float32 anyway."""
+        return self.temperature < GREEDY_BELOW
 
 
 def shorten(value: object, limit: int = 60) -> str:

@@ -311,3 +311,18 @@ def test_the_c_draw_picks_what_the_torch_path_picks(kernels: str) -> None:
     distinct = [len({ids[row] for ids in drawn}) for row in range(len(params))]
     assert distinct[0] > 3 and distinct[5] > 100 and distinct[4] > 20
     assert all(ids[6] % 3 for ids in drawn)              # never a masked token
+
+
+def test_a_vanishing_temperature_samples_greedily(impl: str) -> None:
+    """A temperature below 1e-5 (allowed: > 0) takes the argmax, as in vLLM: logits / T would
+    overflow (1e-40) and the draw give whatever NaNs give. The C draw also takes the argmax
+    where x / T overflows."""
+    from kvflow.kernels import cpu_ops
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(13)) * 5
+    for t in (1e-40, 1e-6):
+        ids, _ = sample(logits, [SamplingParams(temperature=t, seed=s) for s in range(3)])
+        assert ids == logits.argmax(dim=1).tolist(), t
+    if impl == "c":
+        u = torch.full((3,), 0.5, dtype=torch.float64)
+        drawn = cpu_ops.sample(logits, [1e-40] * 3, [-1] * 3, [1.0] * 3, [0.0] * 3, u)
+        assert drawn.tolist() == logits.argmax(dim=1).tolist()

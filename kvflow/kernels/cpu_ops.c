@@ -1106,6 +1106,12 @@ static int64_t sample_row(const float *x, int64_t V, float t, int64_t k, float p
         m = s[i] > m ? s[i] : m;
     }
     if (bits_f32(m) == bits_f32(-INFINITY)) return 0;     /* every token masked: none to draw */
+    if ((bits_f32(m) & 0x7F800000) == 0x7F800000) {      /* a temperature so small that x / t */
+        int64_t best = 0;                                 /* overflowed: the limit, the argmax */
+        for (int64_t i = 1; i < V; i++)
+            if (argmax_key(bits_f32(x[i])) > argmax_key(bits_f32(x[best]))) best = i;
+        return best;
+    }
     {
         int64_t i = 0;
         for (; i + VL <= V; i += VL) *(vfu *)(e + i) = (vfu)vexp(loadv_f32(s + i) - m);
