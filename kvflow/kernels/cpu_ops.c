@@ -357,17 +357,17 @@ DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t,
  * the cache), each head's VL partial vectors summed by one transpose (sum_lanes), exp
  * vectorised (vexp), P V summed into registers (each head's weight broadcast once a key, so
  * AVX2's 16 registers hold the 12 sums without a spill), blocks walked without a division,
- * and the rows two blocks ahead fetched into L2. The last two (from a buffer of widened rows
- * and a spilled sum before) measured on AVX2 (AMD EPYC Zen 3, in-engine, one request at 1000
- * keys) 2.44 -> 2.31 ms of attention a step, 32 rows at 400 keys over 30 layers 29.6 -> 28.4
- * ms, one (row, KV head) pair with its cache in L2 1.25x faster. With the cache in L2 a (row, KV head) pair of
+ * and the rows two blocks ahead fetched into L2. With the cache in L2 a (row, KV head) pair of
  * SmolLM2's (3 heads of 64, 400 keys) went from 14 to 24.5 GB/s of K/V on AVX-512 and from
  * 14 to 16.6 on AVX2 (one thread); over 30 layers' caches from memory, 32 rows
  * (benchmarks/cpu_kernels.py --batch 32, blocks in runs): AVX-512 without BF16 26 -> 22 ms
  * a step, AVX512-BF16 bfloat16 25 -> 22, AVX2 23.3 -> 24.8 (the 32-request workload's decode
  * steps there unchanged within the noise). Scores, softmax and sums in float32 (bfloat16
  * queries are widened), in an order that does not depend on the batch. Needs
- * tile_supported(D). */
+ * tile_supported(D). The score sums in registers and P V without a spill (before: a buffer of
+ * widened rows, and one of AVX2's 12 sums stored and reloaded every key) measured on AVX2
+ * (AMD EPYC Zen 3): in-engine, one request at 1000 keys, 2.44 -> 2.31 ms of attention a step;
+ * 32 rows at 400 keys over 30 layers 29.6 -> 28.4 ms; a pair with its cache in L2, 1.25x. */
 typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));   /* unaligned loads */
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 static inline vf loadv_bf16(const uint16_t *p) {
@@ -907,7 +907,7 @@ DEFINE_ROTARY(rotary_f32, float, f32_to_f32, f32_to_f32)
  * max of the keys (8 or 16 at a time; bfloat16 widened to float32's bits first); the first
  * chunk holding the row's max is then scanned for its index. One row (a decode step's greedy
  * sample) runs on the calling thread: the keys' loop reads the 49152 logits of the default
- * model in ~5 us, where a scalar key loop took ~85 us and an OpenMP region for one row
+ * model in ~12 us, where a scalar key loop took ~85 us and an OpenMP region for one row
  * another ~150 (AMD EPYC Zen 3, AVX2). */
 #define ARGMAX_CHUNK 256
 static inline int32_t argmax_key(int32_t b) {         /* float bits -> an ordered integer */
