@@ -44,8 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="plan and send each step while the previous one runs (EngineCore's "
                              "work overlaps the forward); a request admitted while a step runs "
                              "starts one step later; not with --tp > 1 or speculative decoding "
-                             "(default: on where the worker runs on CUDA with --tp 1 and no "
-                             "speculative decoding, off on CPU)")
+                             "(default: on with --tp 1 and no speculative decoding, CUDA and CPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn automatic prefix caching off")

@@ -194,7 +194,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on CUDA
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on
+    #                                       where allowed (one rank, no speculation)
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
@@ -307,12 +308,13 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
 
 
 def _async_scheduling(o: EngineOptions) -> bool | None:
-    """None ("auto") stays None only where the worker may find a GPU and nothing rules it
-    out: on CPU it measured no faster (2 cores: EngineCore's work then competes with the
-    worker's threads instead of waiting between steps)."""
+    """None ("auto"): on wherever nothing rules it out (one rank, no speculative decoding),
+    CUDA and CPU alike; the worker reports it in WorkerReady. On CPU the overlap costs the
+    forward a little (EngineCore's work competes with the worker's threads) and saves more:
+    the 0.8-1.1 ms a step the worker waited for the next plan (docs/design.md)."""
     if o.async_scheduling is not None:
         return bool(o.async_scheduling)
-    if o.tensor_parallel_size > 1 or o.speculative_method is not None or o.device == "cpu":
+    if o.tensor_parallel_size > 1 or o.speculative_method is not None:
         return False
     return None
 

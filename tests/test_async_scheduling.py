@@ -118,6 +118,25 @@ def test_abort_while_a_step_of_the_request_runs() -> None:
     assert_all_released(core, ex)
 
 
+def test_a_dead_worker_names_each_running_request_once() -> None:
+    """The worker dies while two plans of the same requests are in flight: StepFailure names
+    each request once (the supervisor counts one crash per request, docs/design.md
+    "Self-healing": a request named twice would reach its poison limit in one crash)."""
+    from kvflow.core.engine_core import StepFailure
+    core, ex = make_core(32)
+    submit(core, "A", prompt(10, 4), max_tokens=20)
+    submit(core, "B", prompt(30, 4), max_tokens=20)
+    for _ in range(3):
+        core.step()
+
+    def dead() -> StepResult:
+        raise RuntimeError("worker 0 died with exit code -9")
+    ex.collect = dead                                         # type: ignore[method-assign]
+    with pytest.raises(StepFailure) as failure:
+        core.step()
+    assert sorted(failure.value.request_ids) == ["A", "B"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workload_equals_the_synchronous_engine(seed: int) -> None:
     # Tight blocks and budget: chunked prefills, prefix hits, preemption of requests whose
@@ -310,15 +329,20 @@ def test_cluster_with_async_scheduling(default_model: str) -> None:
             LLM(default_model, async_scheduling=True, **{**options, **bad})  # type: ignore[arg-type]
 
 
-def test_auto_is_decided_by_the_worker_and_off_on_cpu(default_model: str) -> None:
-    """None ("auto") stays undecided until the worker knows its device (on with CUDA), and is
-    off wherever it cannot overlap or was measured no faster (CPU)."""
+def test_auto_is_decided_by_the_worker_on_where_it_can_overlap(default_model: str) -> None:
+    """None ("auto") stays undecided until the worker knows its device, and the worker turns
+    it on (CPU as CUDA: one rank, no speculation); it is off wherever it cannot overlap
+    (tensor parallelism, speculative decoding, in-process) or when asked."""
     from kvflow.config import make_engine_config
     from kvflow.frontend.engine_client import InProcessEngine
+    from kvflow.workers.worker import Worker
     auto = make_engine_config(default_model, kv_cache_memory_gb=0.05, max_model_len=256)
     assert auto.scheduler.async_scheduling is None
-    for off in ({"device": "cpu"}, {"tensor_parallel_size": 3},
-                {"speculative_method": "ngram"}, {"async_scheduling": False}):
+    assert make_engine_config(default_model, device="cpu", kv_cache_memory_gb=0.05,
+                              max_model_len=256).scheduler.async_scheduling is None
+    for off in ({"tensor_parallel_size": 3}, {"speculative_method": "ngram"},
+                {"async_scheduling": False}):
         assert make_engine_config(default_model, **off).scheduler.async_scheduling is False
+    assert Worker(auto).async_scheduling is True     # what WorkerReady reports to EngineCore
     engine = InProcessEngine(auto)                 # auto in-process: the synchronous engine
     assert engine.worker.async_scheduling is False and engine.core.running is None

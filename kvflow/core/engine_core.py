@@ -217,8 +217,9 @@ class EngineCore:
         except StepFailure:
             raise
         except Exception as e:          # a worker died or hung: name every running batch
-            raise StepFailure(str(e), [i for r in self.running for i in r.plan.scheduled_ids]
-                              + (list(plan.scheduled_ids) if sent else [])) from e
+            raise StepFailure(str(e), list(dict.fromkeys(   # each once, though in two steps
+                [i for r in self.running for i in r.plan.scheduled_ids]
+                + (list(plan.scheduled_ids) if sent else [])))) from e
         self._record_times(t0, t1, t2)
         return EngineOutputs(deltas, self.stats())
 

@@ -26,7 +26,7 @@ class LLM:
 
     Engine options (kvflow.config.EngineOptions, given as keywords or as `options`):
     tensor_parallel_size=1, dtype="auto", seed=0, max_model_len=None, max_num_seqs=256,
-    max_num_batched_tokens=2048, async_scheduling=None (on CUDA: on), block_size=16,
+    max_num_batched_tokens=2048, async_scheduling=None (on, except in_process=True), block_size=16,
     enable_prefix_caching=True,
     kv_cache_memory_gb=None, load_format="safetensors", attention_backend="auto",
     num_threads=None, device="auto", enforce_eager=False, gpu_memory_utilization=0.9.

@@ -291,7 +291,7 @@ class SupervisedEngine:
         self.restart_times.append(now)
         logger.error("the engine died (%s); restarting it and resuming %d request(s): %s",
                      cause, len(self.tracked), reason)
-        for request_id in suspects:
+        for request_id in set(suspects):   # once per crash (async: in two planned steps)
             t = self.tracked.get(request_id)
             if t is not None:
                 t.crashes += 1

@@ -68,7 +68,7 @@ class Worker:
         self.model = self._build_model(self.config.model, self.tp, self.kv_cache)
         self.drafter = self._build_drafter()
         auto = self.config.scheduler.async_scheduling
-        self.async_scheduling = self.device.type == "cuda" if auto is None else auto
+        self.async_scheduling = True if auto is None else auto   # config ruled out TP, spec
         self.runner = self._make_runner()
         self.num_blocks = self._allocate_kv_cache()
         self.use_cuda_graphs = self.ops.name == "compiled" and self.backend.supports_cuda_graphs
