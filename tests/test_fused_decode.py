@@ -44,7 +44,9 @@ def test_bf16_weights_under_float32_fused_equals_unfused(default_model: str,
                                                           ) -> None:
     """dtype="auto" on a CPU without bfloat16 arithmetic (flags faked): the fused step reads
     the bfloat16 copy of each weight, as the unfused gemv products do (oneDNN's float32 one
-    above four rows holds the same values)."""
+    above four rows holds the same values); its greedy steps take their tokens from the
+    int8 copy of the LM head plus exact rows (workers/greedy_head.py), the unfused ones from
+    the full LM head and the sampler."""
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     fused = greedy(default_model, PROMPTS)
     assert fused == greedy(default_model, PROMPTS, enforce_eager=True)

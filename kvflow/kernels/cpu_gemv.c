@@ -1590,3 +1590,93 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (xs != NULL) free(xs);
     return 0;
 }
+
+/* --- greedy tokens without the whole LM head (workers/greedy_head.py) ---------------------
+ * For each of M rows of x [M, K] (float32, finite): the index of the largest of x W^T, the
+ * first one on ties, exactly as the bfloat16 panels' product (T_BF16_PANELS or its 12-bit
+ * copy: every output one fma chain over k = 0..K-1 from 0) and the argmax after it would
+ * give, while reading an int8 copy of W (W8A16, `wq`: T_I8 rows or T_I8_PANELS, per-row
+ * `scales`) instead of the bfloat16 one. `w` [N, K] float32 holds W's values (rounded to
+ * bfloat16 here as the panels were). The int8 product `approx` is within B[v] of the exact
+ * logit: |exact - approx| <= err[v] |x| + norm[v] (|x - xq| + c (|x| + |x - xq|)), with
+ * err[v] = |W[v] - scale q[v]| and norm[v] >= both rows' norms (2-norms, Cauchy-Schwarz;
+ * the loader computes them), |x - xq| the rounding of x to xq_max(K) levels and c the
+ * float32 sums' rounding (K u each, two of them). So the exact argmax is among the rows
+ * whose upper bound reaches the largest lower bound; only those are computed exactly, in
+ * the panels' order. approx: [M, N] scratch; cand: [N] scratch; out: [M] token ids;
+ * num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2). */
+#ifdef VL
+static int64_t greedy_candidates(const float *a, const float *err, const float *norm,
+                                 int64_t N, float fe, float fn, int64_t *cand) {
+    float best_lo = -3.0e38f;
+    for (int64_t v = 0; v < N; v++) {
+        const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
+        const float lo = a[v] - b;
+        best_lo = lo > best_lo ? lo : best_lo;
+    }
+    int64_t count = 0;
+    for (int64_t v = 0; v < N; v++) {
+        const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
+        if (a[v] + b >= best_lo) cand[count++] = v;
+    }
+    return count;
+}
+
+/* The exact logits of the candidates, VL at a time (one lane each), as the panels sum them:
+ * acc = fma(w[k], x[k], acc) for k in order; the first of the largest wins. */
+static int64_t greedy_exact(const float *w, int64_t K, const float *x, const int64_t *cand,
+                            int64_t count) {
+    float best = -3.0e38f;
+    int64_t best_id = cand[0];
+    float t[VL] __attribute__((aligned(64))), vals[VL] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < count; g += VL) {
+        const float *rows[VL];
+        for (int i = 0; i < VL; i++)
+            rows[i] = w + cand[g + i < count ? g + i : count - 1] * K;
+        vf acc = VZERO();
+        for (int64_t k = 0; k < K; k++) {
+            for (int i = 0; i < VL; i++) t[i] = gemv_bf16_to_f32(gemv_f32_to_bf16(rows[i][k]));
+            acc = VFMA(VLOAD_F32(t), VBROADCAST(x + k), acc);
+        }
+        VSTORE_F32(vals, acc);
+        for (int i = 0; i < VL && g + i < count; i++)
+            if (vals[i] > best || (g + i == 0)) { best = vals[i]; best_id = cand[g + i]; }
+    }
+    return best_id;
+}
+#endif
+
+int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *wq,
+                int wq_type, const float *scales, const float *err, const float *norm,
+                const float *w, float *approx, int64_t *cand, int64_t *out,
+                int64_t *num_cand) {
+#ifndef VL
+    (void)x; (void)M; (void)K; (void)N; (void)wq; (void)wq_type; (void)scales; (void)err;
+    (void)norm; (void)w; (void)approx; (void)cand; (void)out; (void)num_cand;
+    return 2;
+#else
+    if (wq_type != T_I8 && wq_type != T_I8_PANELS) return 2;
+    const int code = gemv(x, T_F32, K, M, wq, wq_type, scales, NULL, NULL, N, K, approx,
+                          T_F32, N);
+    if (code) return code;
+    const double u = 5.9604644775390625e-08;                /* 2^-24 */
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        double nx2 = 0.0, peak = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            const double v = xm[k];
+            nx2 += v * v;
+            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
+        }
+        const double nx = __builtin_sqrt(nx2) * (1.0 + 1e-6);
+        const double dq = 0.5 * __builtin_sqrt((double)K) * (peak / xq_max(K)) * (1.0 + 1e-6)
+                          + 4.0 * u * nx;
+        const double c = (double)(K + 8) * 2.0 * u * 1.01;
+        const float fe = (float)(nx * 1.0001), fn = (float)((dq + c * (nx + dq)) * 1.0001);
+        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, cand);
+        num_cand[m] = count;
+        out[m] = greedy_exact(w, K, xm, cand, count);
+    }
+    return 0;
+#endif
+}

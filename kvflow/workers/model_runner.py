@@ -20,6 +20,7 @@ from kvflow.workers.attention import AttentionBackend, AttentionMetadata, SeqSpa
 from kvflow.workers.cuda_graphs import DecodeGraphs
 from kvflow.workers.draft_model import Drafter
 from kvflow.workers.fused_decode import FusedDecode
+from kvflow.workers.greedy_head import GreedyHead
 from kvflow.workers.models.llama import LlamaForCausalLM
 from kvflow.workers.sampler import Sampler, SamplingBatch
 
@@ -67,6 +68,9 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None   # set by capture_cuda_graphs (CUDA only)
         self.fused: FusedDecode | None = None     # decode steps in one C call (CPU only)
+        # Steps whose rows are all plain greedy: their tokens without the whole LM head
+        # (workers/greedy_head.py; CPU, float32 on bfloat16 panels only).
+        self.greedy: GreedyHead | None = None
         self.is_driver = is_driver         # rank 0: samples and replies
         self.device = device
         self.requests: dict[str, RequestState] = {}
@@ -124,17 +128,23 @@ class ModelRunner:
             return StepResult([], [])
         inputs = self.prepare(plan, drafts)
         t1 = time.perf_counter()
-        hidden = self.forward(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        hidden = self.forward(inputs)[inputs.logits_rows]
+        greedy = (self.greedy(hidden) if self.greedy is not None and self.greedy.takes(
+            inputs.sampling.params, bool(plan.masked_ids)) else None)
+        logits = self.model.compute_logits(hidden) if greedy is None else None
         t2 = time.perf_counter()
         result = StepResult([], [])
-        if self.is_driver and logits is not None:
+        if self.is_driver and (logits is not None or greedy is not None):
             sampling = inputs.sampling
-            if plan.masked_ids:
-                assert masks is not None, "a plan with masked_ids needs its masks"
-                sampling = self._with_masks(sampling, inputs, plan.masked_ids, masks(),
-                                            logits.shape[-1])
-            ids, logprobs = self.sampler(logits, sampling)
+            if greedy is not None:              # plain greedy rows: the same tokens
+                ids, logprobs = greedy, None
+            else:
+                assert logits is not None
+                if plan.masked_ids:
+                    assert masks is not None, "a plan with masked_ids needs its masks"
+                    sampling = self._with_masks(sampling, inputs, plan.masked_ids, masks(),
+                                                logits.shape[-1])
+                ids, logprobs = self.sampler(logits, sampling)
             result = StepResult(inputs.sampled_request_ids, ids, logprobs)
             if plan.num_spec_tokens:
                 result = self._accept(result, inputs.drafts)

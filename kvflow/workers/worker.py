@@ -24,6 +24,7 @@ from kvflow.workers import cpu_threads, huge_pages
 from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
 from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
+from kvflow.workers.greedy_head import GreedyHead
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops
@@ -198,8 +199,9 @@ class Worker:
     def _fuse_decode_steps(self) -> None:
         """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (up to
         FUSED_MAX_TOKENS_WIDE where every linear runs that many rows on the gemv kernel in the
-        model's forward too) run every layer in one C call (workers/fused_decode.py);
-        enforce_eager keeps them unfused."""
+        model's forward too) run every layer in one C call (workers/fused_decode.py), and
+        steps of plain greedy rows take their tokens from an int8 copy of the LM head plus a
+        few exact rows (workers/greedy_head.py); enforce_eager keeps both off."""
         if self.ops.name != "c" or self.backend.name != "cpu" or self.config.enforce_eager:
             return
         why = FusedDecode.unusable(self.model)
@@ -209,6 +211,7 @@ class Worker:
         max_tokens = max(FUSED_MAX_TOKENS,
                          min(FusedDecode.gemv_rows(self.model), FUSED_MAX_TOKENS_WIDE))
         self.runner.fused = FusedDecode(self.model, self.kv_cache, self.tp, max_tokens)
+        self.runner.greedy = GreedyHead.build(self.model.lm_head, self.tp)
 
     def _log_choices(self) -> None:
         fast = (" + decode CUDA graphs" if self.use_cuda_graphs

@@ -1,0 +1,124 @@
+"""Greedy tokens without reading the whole LM head (CPU, float32 arithmetic on bfloat16
+weights): the exact argmax of the logits from an int8 copy of the LM head plus a few exact
+rows.
+
+At one request a decode step is a read of the weights, and the LM head (vocabulary x hidden)
+is a fifth of them for the default model (49152 x 576: 42 MB a token in 12-bit panels, 56
+in bfloat16 ones). A greedy row needs only the argmax. Here the logits are first computed
+from an int8 copy (per-row scales; 28 MB, the W8A16 gemv kernel), each within a bound of its
+exact value that holds for any input (Cauchy-Schwarz, with each row's quantization error
+and the float32 sums' rounding: kernels/cpu_gemv.c `greedy_head`); every row whose upper
+bound reaches the largest lower bound is then computed exactly as the bfloat16 panels
+compute it (the same fma chain, so the same float32 value), and the first of the largest
+wins, as the argmax of the full logits would. The token is the one the full LM head and the
+sampler give, bit for bit (tests/test_greedy_head.py); only the bytes differ.
+
+`GreedyHead.build(model, tp)` makes it where the LM head's decode products run on the
+bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16; one
+rank); `takes(sampling, rows)` says whether a step's rows are all plain greedy (no logprobs,
+penalties, logit bias, min_tokens or grammar masks: those need every logit); the model
+runner then calls it instead of the LM head and the sampler.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.kernels import cpu_ops
+from kvflow.workers.layers.linear import GemvWeight, quantize_weight
+from kvflow.workers.layers.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 8          # a step of more rows shares the LM head's read among them: full logits
+_CHUNK = 4096         # rows at a time while computing the bounds (float64 copies)
+
+
+class GreedyHead:
+    def __init__(self, weight: torch.Tensor, vocab_size: int) -> None:
+        """weight: the LM head's float32 [N, K] (bfloat16 values, as its panels hold them)."""
+        self.lib = cpu_ops.library()
+        assert self.lib is not None, cpu_ops.build_error()
+        self.vocab_size = vocab_size
+        self.weight = weight                     # the model's own tensor: no copy
+        exact = weight.to(torch.bfloat16).float()
+        q, scales = quantize_weight(exact)
+        self.scales = scales.contiguous()
+        err, norm = _bounds(exact, q, self.scales)
+        self.err, self.norm = err, norm
+        panels = cpu_ops.pack_i8_panels(q)
+        self.q = panels if panels is not None else q.contiguous()
+        self.q_type = cpu_ops.gemv_type(self.q, "panels" if panels is not None else "rows")
+        self.last_candidates: list[int] = []     # rows computed exactly, per row (benchmarks)
+        fn = self.lib.greedy_head
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 8]
+        self._fn = fn
+
+    @classmethod
+    def build(cls, lm_head: Any, tp: TPGroup) -> GreedyHead | None:
+        """The greedy head of this LM head, or None where its decode products are not the
+        bfloat16 panels under float32 arithmetic (another kernel sums in another order)."""
+        prepared = getattr(lm_head, "prepared", None)
+        if (tp.size != 1 or not isinstance(prepared, GemvWeight) or prepared.layout != "panels"
+                or lm_head.weight.dtype != torch.float32 or lm_head.weight.dim() != 2
+                or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
+            return None
+        head = cls(lm_head.weight.data, lm_head.vocab_size)
+        logger.info("greedy rows read an int8 copy of the LM head (%.0f MB) and compute "
+                    "exactly only the rows that may win", head.q.numel() / 1e6)
+        return head
+
+    @staticmethod
+    def takes(params: list[Any], masked: bool) -> bool:
+        """Whether every sampled row is plain greedy (nothing else needs the logits)."""
+        return (0 < len(params) <= MAX_ROWS and not masked
+                and all(p.greedy and p.logprobs is None and not p.processes_logits
+                        for p in params))
+
+    def __call__(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax token of each row of hidden [M, K] (float32); None if the rows are
+        not finite (the full logits then decide, as they would anyway)."""
+        x = hidden.contiguous()
+        if x.dtype != torch.float32 or not bool(torch.isfinite(x).all()):
+            return None
+        m, k = x.shape
+        n = self.weight.shape[0]
+        approx = torch.empty(m, n, dtype=torch.float32)
+        cand = torch.empty(n, dtype=torch.int64)
+        out = torch.empty(m, dtype=torch.int64)
+        counts = torch.empty(m, dtype=torch.int64)
+        code = self._fn(x.data_ptr(), m, k, n, self.q.data_ptr(), self.q_type,
+                        self.scales.data_ptr(), self.err.data_ptr(), self.norm.data_ptr(),
+                        self.weight.data_ptr(), approx.data_ptr(), cand.data_ptr(),
+                        out.data_ptr(), counts.data_ptr())
+        if code == 1:
+            raise MemoryError("greedy_head could not allocate its scratch memory")
+        if code:
+            raise RuntimeError("greedy_head: this build cannot run the int8 LM head copy")
+        self.last_candidates = counts.tolist()
+        return out.tolist()
+
+
+def _bounds(exact: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, float32 rounded up: |W - scale q| and max(|W|, |scale q|) (2-norms, in
+    float64)."""
+    err = np.empty(exact.shape[0])
+    norm = np.empty(exact.shape[0])
+    for start in range(0, exact.shape[0], _CHUNK):
+        w = exact[start:start + _CHUNK].double()
+        approx = q[start:start + _CHUNK].double() * scales[start:start + _CHUNK, None].double()
+        err[start:start + _CHUNK] = (w - approx).norm(dim=1).numpy()
+        norm[start:start + _CHUNK] = torch.maximum(w.norm(dim=1), approx.norm(dim=1)).numpy()
+
+    def up(values: np.ndarray) -> torch.Tensor:
+        f = values.astype(np.float32)
+        return torch.from_numpy(np.nextafter(f, np.float32(np.inf), dtype=np.float32)
+                                * np.float32(1 + 1e-6))
+    return up(err), up(norm)

@@ -1,0 +1,131 @@
+"""Greedy tokens from an int8 copy of the LM head plus exact rows (workers/greedy_head.py,
+kernels/cpu_gemv.c `greedy_head`) against the reference: the bfloat16 panels' full product
+(the LM head's own kernel) and the first index of its maximum, on every ISA build; cases
+where the int8 logits alone pick another token; exact ties; and the engine's tokens with
+the head on and off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.kernels import cpu_ops
+from kvflow.workers.greedy_head import MAX_ROWS, GreedyHead
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    """The LM head's logits as its bfloat16 panels compute them, and their argmax."""
+    panels = cpu_ops.pack_panels(weight.to(torch.bfloat16))
+    assert panels is not None
+    logits = cpu_ops.gemv(x, panels, layout="panels")
+    return torch.argmax(logits, dim=-1).tolist()
+
+
+def int8_only(x: torch.Tensor, head: GreedyHead) -> list[int]:
+    """What the int8 copy alone would pick."""
+    layout = "panels" if head.q_type == cpu_ops.I8_PANELS else "rows"
+    return torch.argmax(cpu_ops.gemv(x, head.q, head.scales, layout=layout), dim=-1).tolist()
+
+
+def weights(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("k", [96, 75])          # int8 panels; K odd: int8 rows
+def test_tokens_equal_the_full_product_and_argmax(kernels: str, k: int) -> None:
+    if cpu_ops.pack_panels(torch.zeros(32, 8, dtype=torch.bfloat16)) is None:
+        pytest.skip("this build has no vector path: the LM head has no panels")
+    w = weights(32 * 37, k, 0)
+    g = torch.Generator().manual_seed(1)
+    # 300 rows within a few bfloat16 steps of row 0: near-ties when x points along it.
+    w[1:301] = (w[0] + torch.randn(300, k, generator=g) * 0.002).to(torch.bfloat16).float()
+    head = GreedyHead(w, w.shape[0])
+    assert (head.q_type == cpu_ops.I8_PANELS) == (k % 2 == 0)
+    differs = 0
+    for trial in range(60):
+        rows = (1, 7, MAX_ROWS)[trial % 3]
+        x = torch.randn(rows, k, generator=g) * (0.3 + trial % 7)
+        if trial % 2:
+            x += w[0] * 30
+        expected = reference(x, w)
+        assert head(x) == expected
+        assert all(1 <= c <= w.shape[0] for c in head.last_candidates)
+        differs += sum(a != b for a, b in zip(int8_only(x, head), expected))
+    # The int8 logits alone pick another token now and then: the exact rows decide those.
+    assert differs > 0
+
+
+def test_near_ties_and_exact_ties(kernels: str) -> None:
+    """Rows one bfloat16 step apart win by their exact sums; equal rows: the first wins."""
+    if cpu_ops.pack_panels(torch.zeros(32, 8, dtype=torch.bfloat16)) is None:
+        pytest.skip("this build has no vector path: the LM head has no panels")
+    w = weights(32 * 8, 64, 2)
+    w[200] = w[17]                                # an exact tie, later index
+    w[90] = w[17]
+    w[91] = w[17]
+    w[91, 3] = torch.tensor(w[17, 3].item()).to(torch.bfloat16).float() * (1 + 2 ** -7)
+    head = GreedyHead(w, w.shape[0])
+    x = torch.stack([w[17] * 40, w[91] * 40, -w[17] * 40, torch.zeros(64)])
+    x[3, 3] = 1.0
+    expected = reference(x, w)
+    assert head(x) == expected
+    assert expected[0] in (17, 91)                # 17 before its copies at 90 and 200
+
+
+def test_not_finite_rows_fall_back() -> None:
+    w = weights(32 * 4, 32, 3)
+    head = GreedyHead(w, w.shape[0])
+    assert head(torch.full((1, 32), float("nan"))) is None
+    x = torch.ones(2, 32)
+    x[1, 5] = float("inf")
+    assert head(x) is None
+
+
+def test_takes_only_plain_greedy_rows() -> None:
+    plain = SamplingParams(temperature=0)
+    assert GreedyHead.takes([plain] * MAX_ROWS, masked=False)
+    assert not GreedyHead.takes([plain] * (MAX_ROWS + 1), masked=False)
+    assert not GreedyHead.takes([plain], masked=True)
+    assert not GreedyHead.takes([], masked=False)
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=1),
+                  SamplingParams(temperature=0, repetition_penalty=1.2),
+                  SamplingParams(temperature=0, logit_bias={5: 3.0}),
+                  SamplingParams(temperature=0, min_tokens=3)):
+        assert not GreedyHead.takes([plain, other], masked=False)
+
+
+def test_engine_tokens_with_and_without_the_head(default_model: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype="auto" as an AVX2 CPU (flags faked): the LM head is bfloat16 panels, the head is
+    built and used for greedy steps (one to three rows), and the tokens equal the full LM
+    head's; a batch with a sampled row goes through the sampler, as before."""
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time,"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    mixed = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+             greedy]
+    with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2) as llm:
+        from kvflow.frontend.engine_client import InProcessEngine
+        assert isinstance(llm.engine, InProcessEngine)
+        runner = llm.engine.worker.runner
+        head = runner.greedy
+        assert head is not None
+        calls: list[int] = []
+
+        def counted(hidden: torch.Tensor) -> list[int] | None:
+            calls.append(hidden.shape[0])
+            return GreedyHead.__call__(head, hidden)
+        runner.greedy = counted                  # type: ignore[assignment]
+        runner.greedy.takes = head.takes         # type: ignore[attr-defined]
+        on = ([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+              + [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
+              + [o.token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)])
+        used = len(calls)
+        runner.greedy = None
+        off = ([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+               + [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
+               + [o.token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)])
+    assert on == off
+    # Every step of the greedy runs (the prompt's and 23 decodes), none of the mixed one.
+    assert used == 24 + 3 * 24 and set(calls) == {1, 3}
