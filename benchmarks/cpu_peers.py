@@ -12,8 +12,9 @@ of its floor.
   request's K/V) over the read bandwidth: "of roofline".
 - Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
-  (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type)
-  over this machine's read bandwidth (a sum over 1 GiB, more than any cache here).
+  (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type;
+  kvflow's greedy tokens on 12-bit panels read an int8 copy of the LM head) over this
+  machine's read bandwidth (a sum over 1 GiB, more than any cache here).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
@@ -508,7 +509,12 @@ def main() -> None:
                 if name in KVFLOW:
                     row["alone_ms"] = tpot_alone(name, args, *singles)
                 kind = weight_kind(name, auto_kind)
-                floor_ms = params * WEIGHT_BYTES[kind] / (bandwidth * 1e9) * 1e3
+                head = hf["vocab_size"] * hf["hidden_size"]
+                # A greedy token under float32 on 12-bit panels reads the LM head's int8
+                # copy instead (workers/greedy_head.py); these requests are all greedy.
+                nbytes = (params * WEIGHT_BYTES[kind] if kind != "panels12" else
+                          (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
+                floor_ms = nbytes / (bandwidth * 1e9) * 1e3
                 row["read_share"] = floor_ms / row["tpot_ms"]
                 row["floor_ms"] = floor_ms
             except Exception as e:
