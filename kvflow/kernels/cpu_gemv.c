@@ -1604,7 +1604,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
  * float32 sums' rounding (K u each, two of them). So the exact argmax is among the rows
  * whose upper bound reaches the largest lower bound; only those are computed exactly, in
  * the panels' order. approx: [M, N] scratch; cand: [N] scratch; out: [M] token ids;
- * num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2). */
+ * num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2), or 3
+ * when x holds an inf or a NaN (the full logits then decide). */
 #ifdef VL
 static int64_t greedy_candidates(const float *a, const float *err, const float *norm,
                                  int64_t N, float fe, float fn, int64_t *cand) {
@@ -1656,6 +1657,11 @@ int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w
     return 2;
 #else
     if (wq_type != T_I8 && wq_type != T_I8_PANELS) return 2;
+    for (int64_t i = 0; i < M * K; i++) {         /* bits: -ffast-math assumes finite */
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        if ((bits & 0x7F800000u) == 0x7F800000u) return 3;
+    }
     const int code = gemv(x, T_F32, K, M, wq, wq_type, scales, NULL, NULL, N, K, approx,
                           T_F32, N);
     if (code) return code;

@@ -54,6 +54,11 @@ class GreedyHead:
         self.q = panels if panels is not None else q.contiguous()
         self.q_type = cpu_ops.gemv_type(self.q, "panels" if panels is not None else "rows")
         self.last_candidates: list[int] = []     # rows computed exactly, per row (benchmarks)
+        n = weight.shape[0]                      # scratch, kept (no allocation per step)
+        self._approx = torch.empty(MAX_ROWS, n, dtype=torch.float32)
+        self._cand = torch.empty(n, dtype=torch.int64)
+        self._out = torch.empty(MAX_ROWS, dtype=torch.int64)
+        self._counts = torch.empty(MAX_ROWS, dtype=torch.int64)
         fn = self.lib.greedy_head
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -82,27 +87,23 @@ class GreedyHead:
                         for p in params))
 
     def __call__(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax token of each row of hidden [M, K] (float32); None if the rows are
-        not finite (the full logits then decide, as they would anyway)."""
+        """The argmax token of each row of hidden [M, K] (float32, M <= MAX_ROWS); None if
+        a row holds an inf or a NaN (the full logits then decide, as they would anyway)."""
         x = hidden.contiguous()
-        if x.dtype != torch.float32 or not bool(torch.isfinite(x).all()):
-            return None
+        assert x.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS, (x.dtype, x.shape)
         m, k = x.shape
-        n = self.weight.shape[0]
-        approx = torch.empty(m, n, dtype=torch.float32)
-        cand = torch.empty(n, dtype=torch.int64)
-        out = torch.empty(m, dtype=torch.int64)
-        counts = torch.empty(m, dtype=torch.int64)
-        code = self._fn(x.data_ptr(), m, k, n, self.q.data_ptr(), self.q_type,
-                        self.scales.data_ptr(), self.err.data_ptr(), self.norm.data_ptr(),
-                        self.weight.data_ptr(), approx.data_ptr(), cand.data_ptr(),
-                        out.data_ptr(), counts.data_ptr())
+        code = self._fn(x.data_ptr(), m, k, self.weight.shape[0], self.q.data_ptr(),
+                        self.q_type, self.scales.data_ptr(), self.err.data_ptr(),
+                        self.norm.data_ptr(), self.weight.data_ptr(), self._approx.data_ptr(),
+                        self._cand.data_ptr(), self._out.data_ptr(), self._counts.data_ptr())
+        if code == 3:
+            return None
         if code == 1:
             raise MemoryError("greedy_head could not allocate its scratch memory")
         if code:
             raise RuntimeError("greedy_head: this build cannot run the int8 LM head copy")
-        self.last_candidates = counts.tolist()
-        return out.tolist()
+        self.last_candidates = self._counts[:m].tolist()
+        return self._out[:m].tolist()
 
 
 def _bounds(exact: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
