@@ -73,13 +73,18 @@ def test_near_ties_and_exact_ties(kernels: str) -> None:
     assert expected[0] in (17, 91)                # 17 before its copies at 90 and 200
 
 
-def test_not_finite_rows_fall_back() -> None:
+def test_rows_the_bound_cannot_decide_fall_back() -> None:
+    """inf or NaN, a zero row (every token ties) and rows so large that the int8 logits
+    overflow (though the exact ones would not): None, and the full logits decide."""
     w = weights(32 * 4, 32, 3)
     head = GreedyHead(w, w.shape[0])
     assert head(torch.full((1, 32), float("nan"))) is None
     x = torch.ones(2, 32)
     x[1, 5] = float("inf")
     assert head(x) is None
+    assert head(torch.zeros(1, 32)) is None
+    assert head(torch.ones(1, 32)) is not None
+    assert head(torch.randn(1, 32, generator=torch.Generator().manual_seed(4)) * 3e36) is None
 
 
 def test_takes_only_plain_greedy_rows() -> None:

@@ -1605,16 +1605,23 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
  * whose upper bound reaches the largest lower bound; only those are computed exactly, in
  * the panels' order. approx: [M, N] scratch; cand: [N] scratch; out: [M] token ids;
  * num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2), or 3
- * when x holds an inf or a NaN (the full logits then decide). */
+ * where the bound cannot decide (the full logits then do): x holds an inf or a NaN, |x| is
+ * ~0 (every row a candidate) or past 1e30, or a bound overflowed. */
 #ifdef VL
 static int64_t greedy_candidates(const float *a, const float *err, const float *norm,
                                  int64_t N, float fe, float fn, int64_t *cand) {
     float best_lo = -3.0e38f;
+    uint32_t spread = 0;                 /* an inf or NaN among the bounds: its exponent bits */
     for (int64_t v = 0; v < N; v++) {
         const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
-        const float lo = a[v] - b;
+        const float lo = a[v] - b, hi = a[v] + b;
+        uint32_t bits[2];
+        memcpy(&bits[0], &lo, sizeof bits[0]);
+        memcpy(&bits[1], &hi, sizeof bits[1]);
+        spread |= ((bits[0] & 0x7F800000u) == 0x7F800000u) | ((bits[1] & 0x7F800000u) == 0x7F800000u);
         best_lo = lo > best_lo ? lo : best_lo;
     }
+    if (spread) return 0;                /* overflowed (|x| near FLOAT_MAX): no candidates */
     int64_t count = 0;
     for (int64_t v = 0; v < N; v++) {
         const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
@@ -1679,7 +1686,9 @@ int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w
                           + 4.0 * u * nx;
         const double c = (double)(K + 8) * 2.0 * u * 1.01;
         const float fe = (float)(nx * 1.0001), fn = (float)((dq + c * (nx + dq)) * 1.0001);
+        if (!(nx > 1e-20 && nx < 1e30)) return 3;   /* all rows tie (x ~ 0) or overflow */
         const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, cand);
+        if (count == 0) return 3;
         num_cand[m] = count;
         out[m] = greedy_exact(w, K, xm, cand, count);
     }

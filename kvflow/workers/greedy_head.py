@@ -68,7 +68,9 @@ class GreedyHead:
     @classmethod
     def build(cls, lm_head: Any, tp: TPGroup) -> GreedyHead | None:
         """The greedy head of this LM head, or None where its decode products are not the
-        bfloat16 panels under float32 arithmetic (another kernel sums in another order)."""
+        bfloat16 panels under float32 arithmetic (another kernel sums in another order), or
+        its float32 weight is gone (an untied head frees it once packed: only tied
+        embeddings keep it, as the default model's)."""
         prepared = getattr(lm_head, "prepared", None)
         if (tp.size != 1 or not isinstance(prepared, GemvWeight) or prepared.layout != "panels"
                 or lm_head.weight.dtype != torch.float32 or lm_head.weight.dim() != 2
