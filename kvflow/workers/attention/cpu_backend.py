@@ -62,6 +62,14 @@ class CpuBackend(AttentionBackend):
         if sdpa:
             prefills = [s for s in prefills if s.num_query_tokens < self.sdpa_min_rows]
         spans = decodes + prefills
+        if not prefills:                # decodes alone: one row each, table row = entry
+            n = len(decodes)
+            return CpuMetadata(
+                self._tensor(slot_mapping), torch.from_numpy(block_tables(decodes, self.block_size)
+                                                             if n else np.zeros((1, 1), np.int32)),
+                torch.arange(n, dtype=torch.int32),
+                torch.tensor([span.context_len for span in decodes], dtype=torch.int32),
+                torch.tensor([span.first_row for span in decodes], dtype=torch.int64), [])
         first_row = np.fromiter((span.first_row for span in spans), np.int64, len(spans))
         q_lens = np.fromiter((span.num_query_tokens for span in spans), np.int64, len(spans))
         contexts = np.fromiter((span.context_len for span in spans), np.int64, len(spans))
