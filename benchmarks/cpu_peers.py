@@ -12,7 +12,9 @@ of its floor.
   request's K/V) over the read bandwidth: "of roofline".
 - Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
-  (tokens - 1). Floor: the bytes of the weights a token reads (the engine's weight type;
+  (tokens - 1). Every server is up at once and each request goes to all of them in turn
+  (the order rotating), so a drift in the machine's speed falls on every engine alike
+  (`--single-apart`: one server after the other, for less memory). Floor: the bytes of the weights a token reads (the engine's weight type;
   kvflow's greedy tokens on 12-bit panels read an int8 copy of the LM head) over this
   machine's read bandwidth (a sum over 1 GiB, more than any cache here).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
@@ -295,12 +297,13 @@ def running(engine: str, args: argparse.Namespace) -> Iterator[str]:
         env = vllm_env(engine, args)
         os.environ.clear()
         os.environ.update(env)
-    try:
-        with serve_bench.server(engine, args) as url:
-            yield url
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(serve_bench.server(engine, args))
+        finally:             # vLLM's environment is its server's alone (others start later)
+            os.environ.clear()
+            os.environ.update(environ)
+        yield url
 
 
 def role(proc: psutil.Process) -> str:
@@ -349,33 +352,68 @@ def thread_switches(proc: psutil.Process) -> int:
     return total
 
 
-def tpot_one_at_a_time(engine: str, args: argparse.Namespace, prompts: list[list[int]],
-                       outputs: list[int]) -> dict[str, Any]:
-    """Median TPOT (ms) of requests sent one at a time through the engine's server, and what
-    each process spent per output token meanwhile (CPU ms, context switches)."""
+def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
+                       prompts: list[list[int]], outputs: list[int]
+                       ) -> dict[str, dict[str, Any]]:
+    """Per engine: the median TPOT (ms) of streamed requests sent one at a time through its
+    server, and what each of its processes and the client spent per output token meanwhile
+    (CPU ms, context switches). Every server is up at once and each request goes to all of
+    them in turn, the order rotating by one each round (`--single-apart`: one server after
+    the other), so that a drift in the machine's speed (a VM's neighbours, the clock) falls
+    on every engine alike and the ratios stay comparable; an idle server waits in poll."""
+    if args.single_apart and len(engines) > 1:
+        return {k: v for e in engines
+                for k, v in tpot_one_at_a_time([e], args, prompts, outputs).items()}
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
+    rows: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        procs: dict[str, list[psutil.Process]] = {}
+        for engine in engines:
+            before = {p.pid for p in psutil.Process().children()}
+            try:
+                urls[engine] = stack.enter_context(running(engine, args))
+            except Exception as e:        # a peer that fails to start must not stop the rest
+                rows[engine] = {"single_error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            tops = [p for p in psutil.Process().children() if p.pid not in before]
+            procs[engine] = [q for p in tops for q in [p, *p.children(recursive=True)]]
 
-    async def go(url: str, procs: list[psutil.Process]) -> tuple[list[Any], dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
-                                     limits=serve_bench.NO_KEEPALIVE) as client:
-            await serve_bench.send(client, url, "default", serve_bench.Request([1, 2, 3], 8))
-            before = cpu_use(procs)
-            results = [await serve_bench.send(client, url, "default", r) for r in reqs]
-            after = cpu_use(procs)
+        async def go() -> dict[str, tuple[list[Any], dict[str, list[float]]]]:
+            got: dict[str, tuple[list[Any], dict[str, list[float]]]] = {
+                e: ([], {}) for e in urls}
+            async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
+                                         limits=serve_bench.NO_KEEPALIVE) as client:
+                for engine, url in urls.items():
+                    await serve_bench.send(client, url, "default",
+                                           serve_bench.Request([1, 2, 3], 8))
+                names = list(urls)
+                for i, req in enumerate(reqs):
+                    for engine in names[i % len(names):] + names[:i % len(names)]:
+                        before = cpu_use(procs[engine])
+                        result = await serve_bench.send(client, urls[engine], "default", req)
+                        after = cpu_use(procs[engine])
+                        results, use = got[engine]
+                        results.append(result)
+                        for k in after.keys() & before.keys():
+                            total = use.setdefault(k, [0.0, 0.0])
+                            total[0] += after[k][0] - before[k][0]
+                            total[1] += after[k][1] - before[k][1]
+            return got
+
+        got = asyncio.run(go()) if urls else {}
+    for engine, (results, use) in got.items():
+        bad = [r.error for r in results if not r.ok]
+        if bad:
+            rows[engine] = {"single_error": f"{len(bad)} failed requests: {bad[0]}"[:300]}
+            continue
         tokens = max(1, sum(r.n_out for r in results))
-        use = {k: ((after[k][0] - before[k][0]) * 1e3 / tokens,
-                   (after[k][1] - before[k][1]) / tokens) for k in after if k in before}
-        return results, use
-
-    with running(engine, args) as url:
-        results, use = asyncio.run(go(url, psutil.Process().children(recursive=True)))
-    bad = [r.error for r in results if not r.ok]
-    if bad:
-        raise RuntimeError(f"{engine}: {len(bad)} failed requests: {bad[0]}")
-    tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in results if r.n_out > 1]
-    return {"tpot_ms": 1e3 * serve_bench.pct(tpot, 50),
-            "cpu_ms_per_token": {k: round(v[0], 3) for k, v in use.items()},
-            "switches_per_token": {k: round(v[1], 2) for k, v in use.items()}}
+        tpot = [(r.e2e - r.ttft) / (r.n_out - 1) for r in results if r.n_out > 1]
+        rows[engine] = {
+            "tpot_ms": 1e3 * serve_bench.pct(tpot, 50),
+            "cpu_ms_per_token": {k: round(v[0] * 1e3 / tokens, 3) for k, v in use.items()},
+            "switches_per_token": {k: round(v[1] / tokens, 2) for k, v in use.items()}}
+    return rows
 
 
 def tpot_alone(engine: str, args: argparse.Namespace, prompts: list[list[int]],
@@ -441,6 +479,9 @@ def main() -> None:
                         help="llama-server's -t (kvflow takes the CPUs by default too)")
     parser.add_argument("--only", default="", help="comma-separated engines to run")
     parser.add_argument("--skip", default="", help="offline,single: leave out a part")
+    parser.add_argument("--single-apart", action="store_true",
+                        help="concurrency 1: one server at a time (less memory) instead of "
+                             "every server up at once, each request sent to all in turn")
     parser.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
                         help="run kvflow as a CPU with only these extensions would")
     parser.add_argument("--vllm-venv", default=os.path.expanduser(
@@ -484,10 +525,9 @@ def main() -> None:
     engines = list(KVFLOW) + LLAMACPP + VLLM
     if args.only:
         engines = [e for e in engines if e in args.only.split(",")]
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {name: {} for name in engines}
     for name in engines:
-        row: dict[str, Any] = {}
-        rows[name] = row
+        row = rows[name]
         if "offline" not in args.skip:
             try:
                 elapsed = offline(name, args, prompts, outputs)
@@ -503,23 +543,29 @@ def main() -> None:
                     kv_bytes, bandwidth) / elapsed
             except Exception as e:      # a peer that fails must not lose the other rows
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
-        if "single" not in args.skip:
+            print(name, json.dumps(row), file=sys.stderr, flush=True)
+    if "single" not in args.skip:
+        for name, single in tpot_one_at_a_time(engines, args, *singles).items():
+            rows[name].update(single)
+        for name in engines:
+            row = rows[name]
+            if "tpot_ms" not in row:
+                continue
             try:
-                row.update(tpot_one_at_a_time(name, args, *singles))
                 if name in KVFLOW:
                     row["alone_ms"] = tpot_alone(name, args, *singles)
-                kind = weight_kind(name, auto_kind)
-                head = hf["vocab_size"] * hf["hidden_size"]
-                # A greedy token under float32 on 12-bit panels reads the LM head's int8
-                # copy instead (workers/greedy_head.py); these requests are all greedy.
-                nbytes = (params * WEIGHT_BYTES[kind] if kind != "panels12" else
-                          (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
-                floor_ms = nbytes / (bandwidth * 1e9) * 1e3
-                row["read_share"] = floor_ms / row["tpot_ms"]
-                row["floor_ms"] = floor_ms
             except Exception as e:
-                row["single_error"] = f"{type(e).__name__}: {e}"[:300]
-        print(name, json.dumps(row), file=sys.stderr, flush=True)
+                row["single_error"] = f"alone: {type(e).__name__}: {e}"[:300]
+            kind = weight_kind(name, auto_kind)
+            head = hf["vocab_size"] * hf["hidden_size"]
+            # A greedy token under float32 on 12-bit panels reads the LM head's int8
+            # copy instead (workers/greedy_head.py); these requests are all greedy.
+            nbytes = (params * WEIGHT_BYTES[kind] if kind != "panels12" else
+                      (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
+            floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+            row["read_share"] = floor_ms / row["tpot_ms"]
+            row["floor_ms"] = floor_ms
+            print(name, json.dumps(row), file=sys.stderr, flush=True)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

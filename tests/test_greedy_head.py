@@ -40,7 +40,7 @@ def test_tokens_equal_the_full_product_and_argmax(kernels: str, k: int) -> None:
     g = torch.Generator().manual_seed(1)
     # 300 rows within a few bfloat16 steps of row 0: near-ties when x points along it.
     w[1:301] = (w[0] + torch.randn(300, k, generator=g) * 0.002).to(torch.bfloat16).float()
-    head = GreedyHead(w, w.shape[0])
+    head = GreedyHead(w)
     assert (head.q_type == cpu_ops.I8_PANELS) == (k % 2 == 0)
     differs = 0
     for trial in range(60):
@@ -65,7 +65,7 @@ def test_near_ties_and_exact_ties(kernels: str) -> None:
     w[90] = w[17]
     w[91] = w[17]
     w[91, 3] = torch.tensor(w[17, 3].item()).to(torch.bfloat16).float() * (1 + 2 ** -7)
-    head = GreedyHead(w, w.shape[0])
+    head = GreedyHead(w)
     x = torch.stack([w[17] * 40, w[91] * 40, -w[17] * 40, torch.zeros(64)])
     x[3, 3] = 1.0
     expected = reference(x, w)
@@ -77,7 +77,7 @@ def test_rows_the_bound_cannot_decide_fall_back() -> None:
     """inf or NaN, a zero row (every token ties) and rows so large that the int8 logits
     overflow (though the exact ones would not): None, and the full logits decide."""
     w = weights(32 * 4, 32, 3)
-    head = GreedyHead(w, w.shape[0])
+    head = GreedyHead(w)
     assert head(torch.full((1, 32), float("nan"))) is None
     x = torch.ones(2, 32)
     x[1, 5] = float("inf")

@@ -434,6 +434,38 @@ def test_metrics_count_exactly(server: ServeProcess, tokenizer: Tokenizer) -> No
     assert 0 <= after["kvflow:kv_cache_usage_perc"] < 1
 
 
+def test_metrics_follow_stats_across_a_restart() -> None:
+    """Gauges and counters are touched only when the engine's stats change; a restarted
+    engine's first stats (totals from zero) must still show, not the dead engine's."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvflow.frontend.metrics import Metrics
+    from kvflow.ipc.messages import EngineStats
+    m = Metrics("default", CollectorRegistry())
+
+    def read() -> dict[str, float]:
+        text = generate_latest(m.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+    m.record_stats(EngineStats(num_running=3, num_waiting=2, kv_usage=0.5,
+                               prefix_cache_queries=40, prefix_cache_hits=16))
+    m.record_stats(EngineStats(num_running=3, num_waiting=1, kv_usage=0.5,
+                               prefix_cache_queries=50, prefix_cache_hits=16))
+    got = read()
+    assert (got["kvflow:num_requests_running"], got["kvflow:num_requests_waiting"],
+            got["kvflow:kv_cache_usage_perc"]) == (3, 1, 0.5)
+    assert (got["kvflow:prefix_cache_queries_total"], got["kvflow:prefix_cache_hits_total"]
+            ) == (50, 16)
+    m.record_restart("worker", num_resumed=3)
+    m.record_stats(EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
+                               prefix_cache_queries=10, prefix_cache_hits=0))
+    got = read()
+    assert (got["kvflow:num_requests_running"], got["kvflow:num_requests_waiting"],
+            got["kvflow:kv_cache_usage_perc"]) == (0, 0, 0)
+    assert got["kvflow:prefix_cache_queries_total"] == 60     # the new engine's 10 added
+    assert got["kvflow:requests_resumed_total"] == 3
+
+
 # --- servers of their own: API key, back-pressure, a dead worker ---------------------------
 
 def test_api_key_and_back_pressure(default_model: str) -> None:

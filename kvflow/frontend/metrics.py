@@ -86,24 +86,33 @@ class Metrics:
         self.restarts[cause].inc()
         self.resumed.inc(num_resumed)
         self.last = EngineStats()           # the new engine's totals start from zero
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.set(0)                    # as `last` says (record_stats sets on change)
 
     def record_stats(self, stats: EngineStats) -> None:
-        """Gauges from the latest stats; counters by what the engine's totals grew."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
+        """Gauges from the latest stats; counters by what the engine's totals grew (each
+        metric touched only when it changed: this runs for every engine output)."""
         last = self.last
-        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
-        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
-        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
-        self.spec_drafts.inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
-        self.spec_draft_tokens.inc(max(0, stats.spec_num_draft_tokens
-                                       - last.spec_num_draft_tokens))
-        self.spec_accepted.inc(max(0, stats.spec_num_accepted_tokens
-                                   - last.spec_num_accepted_tokens))
-        before = last.spec_accepted_per_pos
+        if stats.num_running != last.num_running:
+            self.running.set(stats.num_running)
+        if stats.num_waiting != last.num_waiting:
+            self.waiting.set(stats.num_waiting)
+        if stats.kv_usage != last.kv_usage:
+            self.kv_usage.set(stats.kv_usage)
+        for counter, now, before in (
+                (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.spec_drafts, stats.spec_num_drafts, last.spec_num_drafts),
+                (self.spec_draft_tokens, stats.spec_num_draft_tokens,
+                 last.spec_num_draft_tokens),
+                (self.spec_accepted, stats.spec_num_accepted_tokens,
+                 last.spec_num_accepted_tokens)):
+            if now > before:
+                counter.inc(now - before)
+        before_pos = last.spec_accepted_per_pos
         for pos, total in enumerate(stats.spec_accepted_per_pos):
-            grown = total - (before[pos] if pos < len(before) else 0)
+            grown = total - (before_pos[pos] if pos < len(before_pos) else 0)
             if grown > 0:
                 self.spec_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(
                     grown)

@@ -1603,16 +1603,16 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
  * the loader computes them), |x - xq| the rounding of x to xq_max(K) levels and c the
  * float32 sums' rounding (K u each, two of them). So the exact argmax is among the rows
  * whose upper bound reaches the largest lower bound; only those are computed exactly, in
- * the panels' order. approx: [M, N] scratch; cand: [N] scratch; out: [M] token ids;
- * num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2), or 3
+ * the panels' order. approx: [M, N] scratch (its rows end as the upper bounds); cand: [N]
+ * scratch; out: [M] token ids; num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2), or 3
  * where the bound cannot decide (the full logits then do): x holds an inf or a NaN, |x| is
  * ~0 (every row a candidate) or past 1e30, or a bound overflowed. */
 #ifdef VL
-static int64_t greedy_candidates(const float *a, const float *err, const float *norm,
+static int64_t greedy_candidates(float *a, const float *err, const float *norm,
                                  int64_t N, float fe, float fn, int64_t *cand) {
     float best_lo = -3.0e38f;
     uint32_t spread = 0;                 /* an inf or NaN among the bounds: its exponent bits */
-    for (int64_t v = 0; v < N; v++) {
+    for (int64_t v = 0; v < N; v++) {    /* a[v] becomes its upper bound (a is scratch) */
         const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
         const float lo = a[v] - b, hi = a[v] + b;
         uint32_t bits[2];
@@ -1620,13 +1620,12 @@ static int64_t greedy_candidates(const float *a, const float *err, const float *
         memcpy(&bits[1], &hi, sizeof bits[1]);
         spread |= ((bits[0] & 0x7F800000u) == 0x7F800000u) | ((bits[1] & 0x7F800000u) == 0x7F800000u);
         best_lo = lo > best_lo ? lo : best_lo;
+        a[v] = hi;
     }
     if (spread) return 0;                /* overflowed (|x| near FLOAT_MAX): no candidates */
     int64_t count = 0;
-    for (int64_t v = 0; v < N; v++) {
-        const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
-        if (a[v] + b >= best_lo) cand[count++] = v;
-    }
+    for (int64_t v = 0; v < N; v++)
+        if (a[v] >= best_lo) cand[count++] = v;
     return count;
 }
 

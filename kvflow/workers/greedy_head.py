@@ -39,17 +39,16 @@ _CHUNK = 4096         # rows at a time while computing the bounds (float64 copie
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor, vocab_size: int) -> None:
-        """weight: the LM head's float32 [N, K] (bfloat16 values, as its panels hold them)."""
+    def __init__(self, weight: torch.Tensor) -> None:
+        """weight: the LM head's float32 [N, K] (bfloat16 values, as its panels hold them;
+        with one rank its rows are the vocabulary)."""
         self.lib = cpu_ops.library()
         assert self.lib is not None, cpu_ops.build_error()
-        self.vocab_size = vocab_size
         self.weight = weight                     # the model's own tensor: no copy
         exact = weight.to(torch.bfloat16).float()
         q, scales = quantize_weight(exact)
         self.scales = scales.contiguous()
-        err, norm = _bounds(exact, q, self.scales)
-        self.err, self.norm = err, norm
+        self.err, self.norm = _bounds(exact, q, self.scales)
         panels = cpu_ops.pack_i8_panels(q)
         self.q = panels if panels is not None else q.contiguous()
         self.q_type = cpu_ops.gemv_type(self.q, "panels" if panels is not None else "rows")
@@ -76,7 +75,7 @@ class GreedyHead:
                 or lm_head.weight.dtype != torch.float32 or lm_head.weight.dim() != 2
                 or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
             return None
-        head = cls(lm_head.weight.data, lm_head.vocab_size)
+        head = cls(lm_head.weight.data)
         logger.info("greedy rows read an int8 copy of the LM head (%.0f MB) and compute "
                     "exactly only the rows that may win", head.q.numel() / 1e6)
         return head
