@@ -62,6 +62,8 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array as a tensor on `device`; on CUDA through pinned memory, without waiting
     (the caching host allocator keeps the pinned block alive until the copy is done)."""
     tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -63,13 +63,18 @@ class CpuBackend(AttentionBackend):
             prefills = [s for s in prefills if s.num_query_tokens < self.sdpa_min_rows]
         spans = decodes + prefills
         if not prefills:                # decodes alone: one row each, table row = entry
+            # numpy, then torch.from_numpy: right after a decode step's weight stream (cold
+            # caches) torch.tensor and torch.arange each cost more than this whole branch.
             n = len(decodes)
-            return CpuMetadata(
-                self._tensor(slot_mapping), torch.from_numpy(block_tables(decodes, self.block_size)
-                                                             if n else np.zeros((1, 1), np.int32)),
-                torch.arange(n, dtype=torch.int32),
-                torch.tensor([span.context_len for span in decodes], dtype=torch.int32),
-                torch.tensor([span.first_row for span in decodes], dtype=torch.int64), [])
+            rows = np.empty((3, n), dtype=np.int64)   # table row, context, q row
+            for i, span in enumerate(decodes):
+                rows[0, i], rows[1, i], rows[2, i] = i, span.context_len, span.first_row
+            small = rows[:2].astype(np.int32)
+            tables = (block_tables(decodes, self.block_size) if n
+                      else np.zeros((1, 1), dtype=np.int32))
+            return CpuMetadata(self._tensor(slot_mapping), torch.from_numpy(tables),
+                               torch.from_numpy(small[0]), torch.from_numpy(small[1]),
+                               torch.from_numpy(rows[2]), [])
         first_row = np.fromiter((span.first_row for span in spans), np.int64, len(spans))
         q_lens = np.fromiter((span.num_query_tokens for span in spans), np.int64, len(spans))
         contexts = np.fromiter((span.context_len for span in spans), np.int64, len(spans))
