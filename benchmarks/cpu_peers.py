@@ -390,6 +390,9 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                 names = list(urls)
                 for i, req in enumerate(reqs):
                     for engine in names[i % len(names):] + names[:i % len(names)]:
+                        # A pause first: the previous server's threads may still spin
+                        # (Intel OpenMP's KMP_BLOCKTIME, 200 ms) on the cores this one needs.
+                        await asyncio.sleep(0.3)
                         before = cpu_use(procs[engine])
                         result = await serve_bench.send(client, urls[engine], "default", req)
                         after = cpu_use(procs[engine])
@@ -545,7 +548,12 @@ def main() -> None:
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
             print(name, json.dumps(row), file=sys.stderr, flush=True)
     if "single" not in args.skip:
-        for name, single in tpot_one_at_a_time(engines, args, *singles).items():
+        try:
+            singles_rows = tpot_one_at_a_time(engines, args, *singles)
+        except Exception as e:          # keep the offline rows
+            singles_rows = {name: {"single_error": f"{type(e).__name__}: {e}"[:300]}
+                            for name in engines}
+        for name, single in singles_rows.items():
             rows[name].update(single)
         for name in engines:
             row = rows[name]

@@ -62,7 +62,7 @@ class CpuBackend(AttentionBackend):
         if sdpa:
             prefills = [s for s in prefills if s.num_query_tokens < self.sdpa_min_rows]
         spans = decodes + prefills
-        if not prefills:                # decodes alone: one row each, table row = entry
+        if not prefills and not sdpa:   # decodes alone: one row each, table row = entry
             # numpy, then torch.from_numpy: right after a decode step's weight stream (cold
             # caches) torch.tensor and torch.arange each cost more than this whole branch.
             n = len(decodes)
