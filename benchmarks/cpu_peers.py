@@ -14,8 +14,9 @@ of its floor.
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
   (tokens - 1). Every server is up at once and each request goes to all of them in turn
   (the order rotating), so a drift in the machine's speed falls on every engine alike
-  (`--single-apart`: one server after the other, for less memory). Floor: the bytes of the weights a token reads (the engine's weight type;
-  kvflow's greedy tokens on 12-bit panels read an int8 copy of the LM head) over this
+  (`--single-apart`: one server after the other, for less memory). Floor: the bytes of
+  the weights a token reads (the engine's weight type; kvflow's greedy tokens on 12-bit
+  panels read an int8 copy of the LM head) over this
   machine's read bandwidth (a sum over 1 GiB, more than any cache here).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),

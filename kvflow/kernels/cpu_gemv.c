@@ -1604,9 +1604,10 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
  * float32 sums' rounding (K u each, two of them). So the exact argmax is among the rows
  * whose upper bound reaches the largest lower bound; only those are computed exactly, in
  * the panels' order. approx: [M, N] scratch (its rows end as the upper bounds); cand: [N]
- * scratch; out: [M] token ids; num_cand: [M] how many rows each needed exactly. Returns gemv's codes (0, 1, 2), or 3
- * where the bound cannot decide (the full logits then do): x holds an inf or a NaN, |x| is
- * ~0 (every row a candidate) or past 1e30, or a bound overflowed. */
+ * scratch; out: [M] token ids; num_cand: [M] how many rows each needed exactly. Returns
+ * gemv's codes (0, 1, 2), or 3 where the bound cannot decide (the full logits then do): x
+ * holds an inf or a NaN, |x| is ~0 (every row a candidate) or past 1e30, or a bound
+ * overflowed. */
 #ifdef VL
 static int64_t greedy_candidates(float *a, const float *err, const float *norm,
                                  int64_t N, float fe, float fn, int64_t *cand) {
@@ -1618,7 +1619,8 @@ static int64_t greedy_candidates(float *a, const float *err, const float *norm,
         uint32_t bits[2];
         memcpy(&bits[0], &lo, sizeof bits[0]);
         memcpy(&bits[1], &hi, sizeof bits[1]);
-        spread |= ((bits[0] & 0x7F800000u) == 0x7F800000u) | ((bits[1] & 0x7F800000u) == 0x7F800000u);
+        spread |= ((bits[0] & 0x7F800000u) == 0x7F800000u)
+                  | ((bits[1] & 0x7F800000u) == 0x7F800000u);
         best_lo = lo > best_lo ? lo : best_lo;
         a[v] = hi;
     }

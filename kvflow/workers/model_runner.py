@@ -283,7 +283,8 @@ class ModelRunner:
         # Every row sampled, in order (a decode-only step): no gather.
         rows = (None if len(logits_rows) == row
                 else self._tensor(np.asarray(logits_rows, dtype=np.int64)))
-        ids, pos, slot_mapping = (np.array(a, dtype=np.int64) for a in (input_ids, positions, slots))
+        ids, pos, slot_mapping = (np.array(a, dtype=np.int64)
+                                  for a in (input_ids, positions, slots))
         if self.graphs is not None and not prefills and self.graphs.fits(decodes):
             batch = self.graphs.load(ids, pos, slot_mapping, decodes)
             return StepInputs(self.graphs.input_ids[:batch], self.graphs.positions[:batch],
