@@ -537,19 +537,22 @@ def _whole_groups(packed: torch.Tensor) -> int:
 def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: int) -> None:
     """bfloat16 panels in 12 bits a weight (pack_panels12), on every build: the same bits as
     the bfloat16 panels (which test_gemv_panel_layout_matches_torch checks against float64
-    torch) for one row (decoded in registers, four panels at once and the range's last
-    ones alone) and more (decoded into a panel, then blocks of rows), with the bias, an input
-    scale, bfloat16 x and output; K not a multiple of a group (602, 70, 2). Gaussian weights
-    take under 80% of the bfloat16 bytes; weights spread over many exponents and both signs
-    keep whole groups (raw bfloat16) and still give the same bits. Odd K and
-    output counts that are not a multiple of the panel are refused."""
+    torch) for one row (decoded in registers, P12_NP panels at once and the range's last
+    ones alone; a group whole in some of them and not in others) and more (decoded into a
+    panel, then blocks of rows), with the bias, an input scale, bfloat16 x and output; K
+    not a multiple of a group (602, 70, 2). Gaussian weights take under 80% of the bfloat16
+    bytes; weights spread over many exponents and both signs keep whole groups (raw
+    bfloat16) and still give the same bits. Odd K and output counts that are not a multiple
+    of the panel are refused."""
     w = torch.randn(n, k).bfloat16()
     spread = (torch.randn(n, k) * 2.0 ** torch.randint(-60, 60, (n, k)).float()).bfloat16()
     spread[:, : k // 2] = w[:, : k // 2]               # some groups plain, some whole
+    mixed = w.clone()                  # the same group plain in some panels, whole in others
+    mixed[16:32] = spread[16:32]
     bias, in_scale = torch.randn(n), torch.rand(k) + 0.5
     assert cpu_ops.pack_panels12(w[: n - 8]) is None and cpu_ops.pack_panels12(w.float()) is None
     assert cpu_ops.pack_panels12(w[:, : k - 1].contiguous()) is None
-    for weight, whole in ((w, False), (spread, True)):
+    for weight, whole in ((w, False), (spread, True), (mixed, n > 32)):
         panels, packed = cpu_ops.pack_panels(weight), cpu_ops.pack_panels12(weight)
         assert panels is not None and packed is not None and packed.dtype == torch.uint8
         assert packed.shape[0] == n
