@@ -548,11 +548,12 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
     spread = (torch.randn(n, k) * 2.0 ** torch.randint(-60, 60, (n, k)).float()).bfloat16()
     spread[:, : k // 2] = w[:, : k // 2]               # some groups plain, some whole
     mixed = w.clone()                  # the same group plain in some panels, whole in others
-    mixed[16:32] = spread[16:32]
+    mixed[16:32] = spread[16:32]       # (the second of a call's panels on AVX2, the first's
+    mixed[32:48] = spread[32:48]       # half on AVX-512; then the first of the next pair)
     bias, in_scale = torch.randn(n), torch.rand(k) + 0.5
     assert cpu_ops.pack_panels12(w[: n - 8]) is None and cpu_ops.pack_panels12(w.float()) is None
     assert cpu_ops.pack_panels12(w[:, : k - 1].contiguous()) is None
-    for weight, whole in ((w, False), (spread, True), (mixed, n > 32)):
+    for weight, whole in ((w, False), (spread, True), (mixed, n > 32 and k > 2)):
         panels, packed = cpu_ops.pack_panels(weight), cpu_ops.pack_panels12(weight)
         assert panels is not None and packed is not None and packed.dtype == torch.uint8
         assert packed.shape[0] == n

@@ -120,13 +120,14 @@ def test_masks_of_wide_nuclei_and_large_k_match_the_reference() -> None:
 
 def test_chunked_masks_and_draws_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Large batches are masked and drawn CHUNK_ELEMENTS at a time (peak memory): with two
-    rows a chunk (the last one alone) the masks and the tokens drawn are those of one pass."""
+    rows a chunk (the last one alone; rows 0 and 4 redone over the whole vocabulary, in the
+    first and in a later chunk) the masks and the tokens drawn are those of one pass."""
     from kvflow.workers import sampler
     gen = torch.Generator().manual_seed(5)
     vocab = 3 * sampler.TOP_P_WINDOW
     logits = torch.randn(7, vocab, generator=gen) * torch.tensor(
         [[0.05], [4.0], [0.3], [1.0], [0.05], [2.0], [0.5]])
-    grid = [(1.0, -1, 0.9, 0.0), (0.7, -1, 0.9, 0.0), (1.0, 2500, 0.99, 0.01),
+    grid = [(1.0, -1, 0.9, 0.0), (0.7, -1, 0.9, 0.0), (1.0, 900, 0.99, 0.01),
             (1.0, -1, 1.0, 0.0), (1.3, -1, 0.5, 0.05), (1.0, 40, 1.0, 0.0), (0.9, -1, 1.0, 0.2)]
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in grid]
     batch = SamplingBatch(params, [0] * len(params), [[0]] * len(params))

@@ -573,6 +573,9 @@ static int amx_linear(const uint16_t *x0, int64_t ldx, int64_t M, const uint16_t
  * blocks of 6, same runs). */
 #ifdef VL
 #define PANEL (2 * VL)
+/* Panels a 12-bit one-row call takes (p12_group_1_NP, below): 2 on AVX2, whose 16 registers
+ * four did not fit, 4 with AVX-512's 32. Defined for every VL build: gemv names it. */
+#define P12_NP (VL == 16 ? 4 : 2)
 #if VL == 16
 #define MR 12                 /* rows of x a block: 2 MR accumulators (24 of AVX-512's 32) */
 #else
@@ -974,7 +977,6 @@ static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K,
  * two panels 1.3-1.5 ms faster than four, 0.7-0.8 faster than one. */
 #define P12_AHEAD 2
 #define P12_HINT _MM_HINT_T0
-#define P12_NP (VL == 16 ? 4 : 2)
 #define DEFINE_P12_GROUP(NP)                                                                  \
 static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,            \
                              int64_t end, const float *x, float *out) {                       \
@@ -995,21 +997,27 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
         const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;                   \
         const uint8_t *grp[NP];                                                               \
         const uint16_t *raw[NP];                                                              \
-        const int64_t t = g + P12_AHEAD < groups ? g + P12_AHEAD : g + P12_AHEAD - groups;    \
+        const int64_t t = (g + P12_AHEAD) % groups;    /* past the end: the next panel's */   \
         const char *pf[NP];                                                                   \
-        int any_raw = 0;                                                                      \
+        int any_raw = 0, any_self = 0;                                                        \
         for (int j = 0; j < NP; j++) {                                                        \
             grp[j] = p12_panel(packed, N, K, q0 + j) + g * gb;                                \
             const int64_t tq = q0 + j + (g + P12_AHEAD < groups ? 0 : NP);                    \
-            /* nothing to fetch ahead: the group itself again (already cached, harmless) */ \
+            /* nothing to fetch ahead: the group itself again (cached; see pl) */             \
             pf[j] = tq < end ? (const char *)p12_panel(packed, N, K, tq) + t * gb             \
                              : (const char *)grp[j];                                          \
+            any_self |= tq >= end;                                                            \
             raw[j] = NULL;                                                                    \
             if (e[j] < E && numbers[e[j]] == (q0 + j) * groups + g)                           \
                 raw[j] = whole + e[j]++ * P12_G * PANEL;                                      \
             any_raw |= raw[j] != NULL;                                                        \
         }                                                                                     \
         const int64_t per_pair = (lines + gk / 2 - 1) / (gk / 2);   /* lines a pair */        \
+        /* lines to fetch: within the groups fetched (a panel's last may be short) */         \
+        const int64_t gt = K - t * P12_G < P12_G ? K - t * P12_G : P12_G;                     \
+        const int64_t lt = (p12_group_bytes(gt) + 63) / 64;                                   \
+        const int64_t lg = (p12_group_bytes(gk) + 63) / 64;                                   \
+        const int64_t pl = any_self && lg < lt ? lg : lt;                                     \
         if (!any_raw) {              /* the usual case: every panel's group encoded */        \
             vword table[NP];                                                                  \
             for (int j = 0; j < NP; j++) table[j] = P12_TABLE(grp[j]);                        \
@@ -1018,7 +1026,7 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
             for (int64_t pair = 0; pair < gk / 2; pair++) {                                   \
                 const vf b0 = VBROADCAST(x + k0 + 2 * pair);                                  \
                 const vf b1 = VBROADCAST(x + k0 + 2 * pair + 1);                              \
-                for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < lines; l++) \
+                for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++) \
                     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                      \
                         _mm_prefetch(pf[j] + l * 64, P12_HINT);                               \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                        \
@@ -1036,7 +1044,7 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
         }                                                                                     \
         for (int64_t pair = 0; pair < gk / 2; pair++) {      /* some group kept whole */      \
             const vf b0 = VBROADCAST(x + k0 + 2 * pair), b1 = VBROADCAST(x + k0 + 2 * pair + 1); \
-            for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < lines; l++)  \
+            for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++)  \
                 for (int j = 0; j < NP; j++) _mm_prefetch(pf[j] + l * 64, P12_HINT);          \
             for (int j = 0; j < NP; j++) {                                                    \
                 vword u0, u1;                                                                 \
@@ -1521,8 +1529,9 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One row: groups of 4 panels; two to four: 2; else 1 (a share's last ones
-             * alone). A thread's own share comes first, a contiguous range of an even split
+            /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2; else 1 (a
+             * share's last ones alone). A thread's own share comes first, a contiguous
+             * range of an even split
              * of the panels, not of the groups (SmolLM2's 576 outputs on AVX-512 are 18
              * panels: split by groups of 4, one thread had 12 and the other 6). */
             const int64_t group = M == 1 ? (panels12 ? P12_NP : 4) : M <= 4 && !panels12 ? 2 : 1;
