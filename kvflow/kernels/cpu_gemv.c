@@ -1074,8 +1074,13 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
         VSTORE_F32(out + j * PANEL + VL, acc[j][1]);                                          \
     }                                                                                         \
 }
+#if VL == 16                           /* P12_NP panels a call, and a share's last alone */
 DEFINE_P12_GROUP(4)
+#define P12_GROUP_NP p12_group_1_4
+#else
 DEFINE_P12_GROUP(2)
+#define P12_GROUP_NP p12_group_1_2
+#endif
 DEFINE_P12_GROUP(1)
 
 /* The index in the head's list of the first whole group numbered `number` or after. */
@@ -1534,9 +1539,9 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
             }
             /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2; else 1 (a
              * share's last ones alone). A thread's own share comes first, a contiguous
-             * range of an even split
-             * of the panels, not of the groups (SmolLM2's 576 outputs on AVX-512 are 18
-             * panels: split by groups of 4, one thread had 12 and the other 6). */
+             * range of an even split of the panels, not of the groups (SmolLM2's 576
+             * outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12
+             * and the other 6). */
             const int64_t group = M == 1 ? (panels12 ? P12_NP : 4) : M <= 4 && !panels12 ? 2 : 1;
             const int64_t me = omp_get_thread_num();
             int64_t c0, cn, end;
@@ -1560,8 +1565,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
                     if (panels12 && M == 1) {
 #ifdef P12
-                        if (np == 4) p12_group_1_4(w, N, K, p0, end, xf, acc);
-                        else if (np == 2) p12_group_1_2(w, N, K, p0, end, xf, acc);
+                        if (np == P12_NP) P12_GROUP_NP(w, N, K, p0, end, xf, acc);
                         else p12_group_1_1(w, N, K, p0, end, xf, acc);
 #endif
                     } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);

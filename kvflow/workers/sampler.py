@@ -48,9 +48,9 @@ TOP_P_WINDOW = 1024
 CHUNK_ELEMENTS = 1 << 23
 
 
-def _chunks(rows: torch.Tensor, vocab: int) -> list[torch.Tensor]:
-    step = max(1, CHUNK_ELEMENTS // vocab)
-    return [rows[i:i + step] for i in range(0, rows.numel(), step)]
+def _chunk_rows(vocab: int) -> int:
+    """Rows a chunk: CHUNK_ELEMENTS logits, at least one row."""
+    return max(1, CHUNK_ELEMENTS // vocab)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -74,7 +74,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         width = max(int(k[rows][limited].max()) if bool(limited.any()) else 0,
                     0 if bool(limited.all()) else TOP_P_WINDOW)
         out = logits.clone()
-        for chunk in _chunks(rows, vocab):
+        step = _chunk_rows(vocab)
+        for chunk in (rows[i:i + step] for i in range(0, rows.numel(), step)):
             short = _top_k_top_p(out, logits, chunk, top_k, k, top_p, min(width, vocab))
             if short.numel():                        # nucleus wider than the window: again
                 _top_k_top_p(out, logits, short, top_k, k, top_p, vocab)
@@ -211,7 +212,7 @@ class Sampler:
         # float64 sums: float32 could not tell tail probabilities below ~3e-8 apart.
         ids = torch.empty(len(params), dtype=torch.int64, device=device)
         vocab = logits.shape[-1]
-        step = max(1, CHUNK_ELEMENTS // vocab)             # rows a chunk (CHUNK_ELEMENTS)
+        step = _chunk_rows(vocab)
         for i in range(0, len(params), step):
             cdf = logits[i:i + step].softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
             ur = (u[i:i + step] * cdf[:, -1]).unsqueeze(1)  # the sum is 1 within rounding
