@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.headless:
         return cmd_headless(args)
 
-    from kvflow.frontend.api.api_server import ServeOptions, serve
+    from kvflow.frontend.api.api_server import ServeOptions, listen_socket, serve
     run: Any = asyncio.run                 # uvloop where it exists (not on Windows)
     with contextlib.suppress(ImportError):
         import uvloop
@@ -210,11 +210,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         max_connections=args.max_connections, http_timeout=args.http_timeout,
                         shutdown_timeout=args.shutdown_timeout,
                         auto_tool_parser=_auto_tool_parser(args))
+    try:
+        sock = listen_socket(args.host, args.port)   # before the cluster takes any free ports
+    except OSError as e:
+        sys.exit(str(e))
     engine, processor = start_cluster(args)
     processor.prepare_grammars()          # in the background: structured outputs are common
     try:
-        run(serve(engine, processor, opts))
+        run(serve(engine, processor, opts, sock))
     finally:
+        sock.close()
         engine.shutdown()
         logger.info("stopped")
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,7 +32,31 @@ def new_tag() -> str:
     return uuid.uuid4().hex
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999                    # Linux's default
+
+
 def free_port() -> int:
+    """A port free now, from below the kernel's ephemeral range when there is room: a process
+    the test starts binds its own sockets to "any free port" (EngineCore's node ports, the
+    store's), which the kernel takes from that range, so it cannot take this one first between
+    our check and the server's bind (port 0 would hand us a number from that same range)."""
+    low, _ = _ephemeral_range()
+    if low > 20000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -159,11 +184,13 @@ class ServeProcess:
 
     def __init__(self, *args: str, model: str = "default", kv_cache_memory_gb: float = 0.1,
                  env: dict[str, str] | None = None, zmq: bool = True,
-                 prefix: list[str] | None = None, address: str | None = None) -> None:
+                 prefix: list[str] | None = None, address: str | None = None,
+                 port: int | None = None) -> None:
         """`prefix`: a command that runs launch.py (e.g. nsenter into a network namespace);
-        `address`: where kvflow clients connect (default: a free 127.0.0.1 port)."""
+        `address`: where kvflow clients connect (default: a free 127.0.0.1 port); `port`: the
+        HTTP port (default: a free one)."""
         self.address = address or free_tcp_address()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag = new_tag()
         full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}

@@ -22,6 +22,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,9 +36,9 @@ import pytest
 import zmq
 
 from cluster_helpers import (ENGINE_MODULE, REPO, TAG_VAR, WORKER_MODULE, ServeProcess,
-                             arg_value, cpu_seconds, exited, failing_worker_env, is_module,
-                             kill_processes, new_tag, send_signal_to_group, tagged_processes,
-                             wait_exited, zombie_children)
+                             arg_value, cpu_seconds, exited, failing_worker_env, free_port,
+                             is_module, kill_processes, new_tag, send_signal_to_group,
+                             tagged_processes, wait_exited, zombie_children)
 from kvflow import LLM, AsyncClient, Client, EngineDeadError, SamplingParams
 from kvflow.ipc.messages import (Abort, ClientAbort, ClientOutput, ClientRequest,
                                  ClientStatsRequest, EngineRequest, Ping, Pong, StepResult,
@@ -444,6 +445,25 @@ def test_serve_bad_model_folder(serve, default_model: str, tmp_path, kind: str) 
     assert "error:" in s.log and expected in s.log, s.log
     assert not wait_exited(seen, 1.0)
     assert not tagged_processes(s.tag)
+
+
+def test_serve_busy_http_port_fails_before_the_cluster_starts(default_model: str) -> None:
+    """A port another program holds: launch.py says which address, at once, before loading
+    the model or starting a child (the socket is bound before the cluster takes ports)."""
+    holder = socket.create_server(("127.0.0.1", free_port()))
+    s = ServeProcess("--max-engine-restarts", "0", model=default_model,
+                     kv_cache_memory_gb=KV_GB, port=holder.getsockname()[1])
+    try:
+        start = time.monotonic()
+        rc, seen = _run_to_exit(s, STARTUP_FAIL_BOUND)
+        report("serve: HTTP port in use -> launcher exits", time.monotonic() - start)
+        assert rc != 0
+        assert f"cannot listen on 127.0.0.1:{s.port}" in s.log, s.log
+        assert not any(is_module(p, m) for p in seen for m in (ENGINE_MODULE, WORKER_MODULE))
+        assert not tagged_processes(s.tag)
+    finally:
+        holder.close()
+        s.cleanup()
 
 
 # --- 6: garbage on every socket ------------------------------------------------------------

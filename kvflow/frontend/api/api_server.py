@@ -22,6 +22,7 @@ import logging
 import resource
 import secrets
 import signal
+import socket
 import time
 import uuid
 from contextlib import contextmanager
@@ -468,9 +469,30 @@ class _Uvicorn(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: ServeOptions
-                ) -> None:
-    """Serve until SIGINT/SIGTERM; then drain (up to --shutdown-timeout), stop the engine."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound before the cluster starts (as vLLM does): a busy port
+    fails at once, not after the model loaded, and no socket the cluster binds to "any free
+    port" can take the port first. OSError names the address."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.set_inheritable(False)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: ServeOptions,
+                sock: socket.socket | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; then drain (up to --shutdown-timeout), stop the engine.
+    `sock`: the HTTP socket `listen_socket` bound (None: bind opts.host:opts.port now)."""
     max_waiting = opts.max_waiting_requests
     if max_waiting is None:
         max_waiting = default_max_waiting(processor.config.scheduler.max_num_seqs)
@@ -487,7 +509,8 @@ async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: Serve
                             timeout_keep_alive=5,
                             h11_max_incomplete_event_size=64 * 1024)
     server = _Uvicorn(config)
-    http_task = asyncio.get_running_loop().create_task(server.serve())
+    http_task = asyncio.get_running_loop().create_task(
+        server.serve(sockets=[sock] if sock is not None else None))
     try:
         while not server.started and not http_task.done():
             await asyncio.sleep(0.05)
