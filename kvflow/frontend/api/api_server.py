@@ -472,17 +472,12 @@ class _Uvicorn(uvicorn.Server):
 def listen_socket(host: str, port: int) -> socket.socket:
     """The HTTP listening socket, bound before the cluster starts (as vLLM does): a busy port
     fails at once, not after the model loaded, and no socket the cluster binds to "any free
-    port" can take the port first. OSError names the address."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    port" can take the port first. The family as uvicorn picks it (IPv6 where the host has a
+    colon, so "localhost" stays 127.0.0.1). OSError names the address."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.set_inheritable(False)
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
