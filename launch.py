@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.headless:
         return cmd_headless(args)
 
-    from kvflow.frontend.api.api_server import ServeOptions, listen_socket, serve
+    from kvflow.frontend.api.api_server import ServeOptions, bind_http, serve
     run: Any = asyncio.run                 # uvloop where it exists (not on Windows)
     with contextlib.suppress(ImportError):
         import uvloop
@@ -211,15 +211,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         shutdown_timeout=args.shutdown_timeout,
                         auto_tool_parser=_auto_tool_parser(args))
     try:
-        sock = listen_socket(args.host, args.port)   # before the cluster takes any free ports
+        sockets = bind_http(args.host, args.port)   # before the cluster takes any free ports
     except OSError as e:
-        sys.exit(str(e))
+        sys.exit(f"error: {e}")
     engine, processor = start_cluster(args)
     processor.prepare_grammars()          # in the background: structured outputs are common
     try:
-        run(serve(engine, processor, opts, sock))
+        run(serve(engine, processor, opts, sockets))
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         engine.shutdown()
         logger.info("stopped")
 

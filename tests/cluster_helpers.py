@@ -41,16 +41,23 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999                    # Linux's default
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
     """A port free now, from below the kernel's ephemeral range when there is room: a process
     the test starts binds its own sockets to "any free port" (EngineCore's node ports, the
     store's), which the kernel takes from that range, so it cannot take this one first between
-    our check and the server's bind (port 0 would hand us a number from that same range)."""
+    our check and the server's bind (port 0 would hand us a number from that same range).
+    Never the same port twice in one test process (a server's HTTP and ZMQ ports, say)."""
     low, _ = _ephemeral_range()
     if low > 20000:
         rng = random.SystemRandom()
         for _ in range(200):
             port = rng.randrange(10000, low)
+            if port in _handed_out:
+                continue
+            _handed_out.add(port)
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))

@@ -466,6 +466,24 @@ def test_serve_busy_http_port_fails_before_the_cluster_starts(default_model: str
         s.cleanup()
 
 
+def test_http_port_bound_twice_the_second_to_listen_fails_by_name() -> None:
+    """Two launchers that bound one port while loading (SO_REUSEADDR lets sockets that do not
+    listen share it): the second to listen is told, by address, not left without a socket
+    (uvloop ignores a failed listen)."""
+    from kvflow.frontend.api.api_server import _listen, bind_http
+    port = free_port()
+    first, second = bind_http("127.0.0.1", port), bind_http("127.0.0.1", port)
+    try:
+        _listen(first, "127.0.0.1", port)
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _listen(second, "127.0.0.1", port)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_http("127.0.0.1", port)              # once one listens, binding fails too
+    finally:
+        for sock in first + second:
+            sock.close()
+
+
 # --- 6: garbage on every socket ------------------------------------------------------------
 
 GARBAGE: list[list[bytes]] = [

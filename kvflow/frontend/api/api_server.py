@@ -18,6 +18,7 @@ cannot hold file descriptors.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import secrets
@@ -50,6 +51,7 @@ from kvflow.frontend.server import ZmqServer
 from kvflow.frontend.supervisor import SupervisedEngine
 
 logger = logging.getLogger(__name__)
+HTTP_BACKLOG = 2048                    # uvicorn's default
 
 
 @dataclass(frozen=True)
@@ -469,25 +471,55 @@ class _Uvicorn(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP listening socket, bound before the cluster starts (as vLLM does): a busy port
-    fails at once, not after the model loaded, and no socket the cluster binds to "any free
-    port" can take the port first. The family as uvicorn picks it (IPv6 where the host has a
-    colon, so "localhost" stays 127.0.0.1). OSError names the address."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+def bind_http(host: str, port: int) -> list[socket.socket]:
+    """The HTTP sockets, bound (not yet listening) before the cluster starts, as vLLM does: a
+    port another server listens on fails at once, not after the model loaded, and no socket
+    the cluster binds to "any free port" can take the port first; until `serve` listens,
+    connections are refused. One socket per address the host resolves to (as uvicorn's own
+    bind, asyncio's create_server: "localhost" may be 127.0.0.1 and ::1, "" every
+    interface). OSError names the address."""
+    sockets: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                   0, socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:        # each family its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()            # a family this host has not enabled
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of it can be bound")
     except OSError as e:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+    return sockets
+
+
+def _listen(sockets: list[socket.socket], host: str, port: int) -> None:
+    """Listen on the sockets `bind_http` bound. Two servers may both bind a port (neither
+    listening yet); the second to listen fails here, by name, rather than in uvloop, which
+    would ignore it."""
+    try:
+        for sock in sockets:
+            sock.listen(HTTP_BACKLOG)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: ServeOptions,
-                sock: socket.socket | None = None) -> None:
+                sockets: list[socket.socket] | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain (up to --shutdown-timeout), stop the engine.
-    `sock`: the HTTP socket `listen_socket` bound (None: bind opts.host:opts.port now)."""
+    `sockets`: what `bind_http` bound (None: bind opts.host:opts.port now)."""
+    if sockets is not None:
+        _listen(sockets, opts.host, opts.port)
     max_waiting = opts.max_waiting_requests
     if max_waiting is None:
         max_waiting = default_max_waiting(processor.config.scheduler.max_num_seqs)
@@ -499,13 +531,14 @@ async def serve(engine: SupervisedEngine, processor: InputProcessor, opts: Serve
                 if zmq_server else None)
     _raise_fd_limit(opts.max_connections + 256)
     config = uvicorn.Config(build_app(aengine, opts), host=opts.host, port=opts.port,
+                            backlog=HTTP_BACKLOG,
                             log_level="warning", timeout_graceful_shutdown=3,
                             loop="none", lifespan="off", http=_http_protocol(opts),
                             timeout_keep_alive=5,
                             h11_max_incomplete_event_size=64 * 1024)
     server = _Uvicorn(config)
     http_task = asyncio.get_running_loop().create_task(
-        server.serve(sockets=[sock] if sock is not None else None))
+        server.serve(sockets=sockets))
     try:
         while not server.started and not http_task.done():
             await asyncio.sleep(0.05)
