@@ -99,6 +99,39 @@ def test_int8_fused_equals_unfused(default_model: str) -> None:
         default_model, PROMPTS[:4], enforce_eager=True, **options)
 
 
+def test_int8_without_vnni_steps_past_4_tokens_run_kvflows_gemm_fused(
+        default_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 as an AVX2 CPU runs it (flags faked): past four rows every linear multiplies
+    7-bit weights by 8-bit activations on kvflow's GEMM (kernels/cpu_gemm_i8.c) in the model's
+    forward and in the fused step alike, so steps of up to 32 tokens run fused, a 20-request
+    step gives the unfused hidden states (the same bits), and six requests the same greedy
+    tokens."""
+    from kvflow.kernels import cpu_ops
+    from kvflow.workers.fused_decode import FusedDecode
+    from kvflow.workers.layers.linear import Int8Linear
+    if Int8Linear.works() is not None or not cpu_ops.i8_gemm_available():
+        pytest.skip("int8 or kvflow's int8 GEMM does not run here")
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    # No prefix cache: the second run recomputes every prompt as the first did (a prefill
+    # over cached keys sums in another order, and 8-bit activations can round the other way).
+    with LLM(default_model, in_process=True, dtype="float32", quantization="int8",
+             kv_cache_memory_gb=0.2, enable_prefix_caching=False) as llm:
+        run = runner(llm)
+        assert run.fused is not None and run.fused.max_tokens == 32
+        assert FusedDecode.gemv_rows(run.model) > 32
+        assert run.model.model.layers[0].mlp.down_proj.prepared.own_gemm
+        run.model(*step_inputs(run, [(40, 40)] * 20))
+        step = step_inputs(run, [(1, 41)] * 20)
+        fused = run.fused.forward(*step)                       # type: ignore[arg-type]
+        unfused = run.model(*step)
+        assert torch.equal(fused, unfused)
+        fused_tokens = [o.token_ids for o in llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)]
+        run.fused = None
+        unfused_tokens = [o.token_ids for o in llm.generate(PROMPTS[:6], GREEDY,
+                                                            use_tqdm=False)]
+    assert fused_tokens == unfused_tokens
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_step_matches_the_unfused_forward(default_model: str, dtype: torch.dtype) -> None:
     """Three requests prefilled with 40 tokens, then a step of two decodes and a three-token

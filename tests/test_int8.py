@@ -55,10 +55,13 @@ def test_scale_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype,
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
 
 
-KERNELS = [(cpu_ops.quantize_rows, cpu_ops.scale_rows), (quantize_rows_ref, scale_rows_ref)]
+KERNELS = [dict(quantize_rows=cpu_ops.quantize_rows, scale_rows=cpu_ops.scale_rows),
+           dict(quantize_rows=quantize_rows_ref, scale_rows=scale_rows_ref),
+           dict(quantize_rows=cpu_ops.quantize_rows, scale_rows=cpu_ops.scale_rows,
+                gemm=cpu_ops.i8_gemm, gemm_pack=cpu_ops.i8_gemm_pack, weight_levels=63)]
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["c", "torch"])
+@pytest.mark.parametrize("kernels", KERNELS, ids=["c", "torch", "c-own-gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # type: ignore[no-untyped-def]
@@ -67,8 +70,10 @@ def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # ty
     w = torch.randn(960, 576, generator=gen) * 0.05
     x = torch.randn(num_tokens, 576, generator=gen)
     bias = torch.randn(960, generator=gen)
-    method = Int8Linear(*kernels)
-    got = method.apply(x.to(dtype), w, method.prepare(w.to(dtype)), bias.to(dtype))
+    method = Int8Linear(**kernels)
+    prepared = method.prepare(w.to(dtype))
+    assert prepared.own_gemm == ("gemm" in kernels and cpu_ops.i8_gemm_available())
+    got = method.apply(x.to(dtype), w, prepared, bias.to(dtype))
     assert got.dtype == dtype and got.shape == (num_tokens, 960)
     ref = F.linear(x, w, bias)
     # The exact product of the quantized operands: what oneDNN must return (up to the output
@@ -199,20 +204,24 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
-@pytest.mark.parametrize("flags,rows", [("avx2 fma", 48), ("avx2 fma avx512f avx512_vnni", 4),
+@pytest.mark.parametrize("flags,rows", [("avx2 fma", 4), ("avx2 fma avx512f avx512_vnni", 4),
                                         ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4)])
-def test_without_vnni_int8_runs_w8a16_up_to_48_rows(monkeypatch: pytest.MonkeyPatch,
-                                                          flags: str, rows: int) -> None:
-    """The engine's int8 layers run products of up to 48 rows W8A16 on the gemv kernel
-    where the CPU lacks VNNI and AMX-INT8 (oneDNN's W7A8 GEMM is the slower there), up to
-    GEMV_MAX_ROWS where it has them; either way the product is the float layer's within int8
-    rounding. Flags that claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's
-    8-bit GEMM saturates its sums without them): the engine must refuse to start, naming why,
-    rather than run wrong."""
+def test_int8_runs_w8a16_up_to_4_rows_then_a_gemm(monkeypatch: pytest.MonkeyPatch,
+                                                  flags: str, rows: int) -> None:
+    """The engine's int8 layers run products of up to GEMV_MAX_ROWS rows W8A16 on the gemv
+    kernel, larger ones on a GEMM: oneDNN's W8A8 where the CPU has VNNI or AMX-INT8, kvflow's
+    W7A8 (kernels/cpu_gemm_i8.c) where it lacks them (with oneDNN's only, W8A16 would run up
+    to 48 rows); either way the product is the float layer's within int8 rounding. Flags that
+    claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's 8-bit GEMM saturates
+    its sums without them): the engine must refuse to start, naming why, rather than run
+    wrong."""
     from kvflow.workers.hardware import cpu_flags
     from kvflow.workers.layers.linear import int8_gemv_rows
     from kvflow.workers.layers.ops import GEMV_MAX_ROWS, choose_ops
-    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS) == max(rows, GEMV_MAX_ROWS)
+    without_vnni = flags == "avx2 fma"
+    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, True) == rows
+    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, False) == (
+        48 if without_vnni else rows)
     wide = {"avx512_vnni", "avx_vnni", "amx_int8"}
     claims_more = bool(set(flags.split()) & wide) and not cpu_flags() & wide
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
@@ -222,19 +231,60 @@ def test_without_vnni_int8_runs_w8a16_up_to_48_rows(monkeypatch: pytest.MonkeyPa
             choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8")
         return
     method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8").linear
-    assert isinstance(method, Int8Linear) and method.max_rows == max(rows, GEMV_MAX_ROWS)
+    assert isinstance(method, Int8Linear) and method.max_rows == rows
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 576, generator=gen)
     prepared = method.prepare(w)
-    calls: list[int] = []
-    gemv = method.gemv
-    assert gemv is not None
-    method.gemv = lambda x, *a, **k: calls.append(x.shape[0]) or gemv(x, *a, **k)
-    for m in (1, 9, 32, 48, 49):
+    own = without_vnni and cpu_ops.i8_gemm_available()
+    assert prepared.own_gemm == own and "W7A8" in method.name if own else True
+    calls: dict[str, list[int]] = {"gemv": [], "gemm": []}
+    for name in calls:
+        fn = getattr(method, name)
+        if fn is not None:
+            setattr(method, name, lambda x, *a, _f=fn, _n=name, **k:
+                    calls[_n].append(x.shape[0]) or _f(x, *a, **k))
+    sizes = (1, 4, 5, 9, 32, 49)
+    for m in sizes:
         x = torch.randn(m, 576, generator=gen)
         got, ref = method.apply(x, w, prepared), torch.nn.functional.linear(x, w)
         assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
-    assert calls == [m for m in (1, 9, 32, 48, 49) if m <= method.max_rows]
+    assert calls["gemv"] == [m for m in sizes if m <= rows]
+    assert calls["gemm"] == ([m for m in sizes if m > rows] if own else [])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvflows_int8_gemm_is_the_exact_integer_product(kernels: str, with_bias: bool,
+                                                       dtype: torch.dtype) -> None:
+    """kernels/cpu_gemm_i8.c against the exact product of the same quantized operands (int64
+    sums), on every ISA build, at shapes that leave partial tiles (rows not a multiple of 4,
+    outputs not of 16, inputs not of 4: one row, seven, 69) and at the default model's; the
+    worst case of its 16-bit pair sums (every activation 255, every weight +-63) too."""
+    if not cpu_ops.i8_gemm_available():
+        pytest.skip("this build has no kvflow int8 GEMM (no AVX2)")
+    gen = torch.Generator().manual_seed(3)
+    cases = [(1, 1, 1), (1, 17, 13), (7, 40, 64), (69, 33, 577), (130, 96, 576),
+             (5, 576, 1536)]
+    for m, n, k in cases:
+        w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen) * 3
+        q, w_scales = quantize_weight(w, 63)
+        qx, x_scales = cpu_ops.quantize_rows(x)
+        if m == 7:                                           # the saturation worst case
+            qx.fill_(255)
+            q = torch.where(torch.rand(n, k, generator=gen) < 0.5, 63, -63).to(torch.int8)
+        bias = torch.randn(n, generator=gen) if with_bias else None
+        packed = cpu_ops.i8_gemm_pack(q, w_scales)
+        assert packed is not None
+        got = cpu_ops.i8_gemm(qx, x_scales, packed, bias, dtype)
+        sums = ((qx.long() - 128) @ q.long().t()).float()   # exact: |sums| < 2^24
+        exact = sums * w_scales * x_scales[:, None] + (0 if bias is None else bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+        torch.testing.assert_close(got.float(), exact.to(dtype).float(), rtol=tol,
+                                   atol=tol * float(exact.abs().max()))
+    # 8-bit weights could saturate the pair sums: not packed for this kernel.
+    assert cpu_ops.i8_gemm_pack(torch.full((4, 8), 100, dtype=torch.int8),
+                                torch.ones(4)) is None
 
 
 def test_int8_gemv_rows_are_held_in_panels_where_the_shape_allows(kernels: str) -> None:

@@ -15,7 +15,9 @@
  *              h = a Wdown^T
  * Activations are in the model dtype (float32 or bfloat16) and rounded where the torch path
  * rounds them. Linear weights are the model dtype's, or int8 with a float32 scale per output
- * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c), row-major or packed.
+ * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c), row-major or packed; on
+ * CPUs without VNNI, steps of more tokens than the gemv kernel takes multiply 7-bit weights
+ * by x quantized per row to 8 bits (W7A8, cpu_gemm_i8.c), as the model's Int8Linear does.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,6 +43,13 @@ int paged_attention_f32_kv_bf16(const float *q, const uint16_t *k_cache,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t num_slots, float scale,
                                 float *out);
+int i8_gemm(const uint8_t *xq, int64_t ldx, int64_t M, int64_t K, const int8_t *packed,
+            const int32_t *comp, int64_t N, const float *wscale, const float *xscale,
+            const float *bias, void *out, int64_t ldo, int obf16);
+void quantize_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t n, uint8_t *q,
+                       float *scales);
+void quantize_rows_bf16(const uint16_t *x, int64_t stride, int64_t rows, int64_t n,
+                        uint8_t *q, float *scales);
 #define DECLARE_OPS(T, S)                                                                     \
 void rms_norm_##S(const T *x, int64_t stride, const T *w, int64_t rows, int64_t n, float eps, \
                   T *out);                                                                    \
@@ -69,6 +78,12 @@ typedef struct {
     int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3, 4, 5) */
     int64_t n, k;
     const void *one_row;          /* w in 12-bit panels (cpu_gemv.c, type 6) for one row, or NULL */
+    /* int8 without VNNI: the smoothed 7-bit weights packed for i8_gemm (or NULL), their
+     * compensation and scales (padded to 16; bias too), used past gemv_rows tokens. */
+    const int8_t *gemm;
+    const int32_t *gemm_comp;
+    const float *gemm_scales;
+    int64_t gemv_rows;
 } Linear;
 
 typedef struct {
@@ -103,6 +118,8 @@ typedef struct {
     void *act;                            /* [T, inter] */
     const void *final_norm;               /* [hidden]: the model's last norm, or NULL */
     float final_eps;                      /* its eps */
+    uint8_t *xq;                          /* [T, max(hidden, inter)]: x in 8 bits (i8_gemm) */
+    float *xscales;                       /* [T] */
 } DecodeStep;
 
 static inline int64_t esize(int32_t dtype) { return dtype == D_F32 ? 4 : 2; }
@@ -112,6 +129,12 @@ static inline char *at(void *base, int64_t elements, int32_t dtype) {
 }
 
 static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out) {
+    if (l->gemm != NULL && s->num_tokens > l->gemv_rows) {
+        if (s->dtype == D_F32) quantize_rows_f32(x, l->k, s->num_tokens, l->k, s->xq, s->xscales);
+        else quantize_rows_bf16(x, l->k, s->num_tokens, l->k, s->xq, s->xscales);
+        return i8_gemm(s->xq, l->k, s->num_tokens, l->k, l->gemm, l->gemm_comp, l->n,
+                       l->gemm_scales, s->xscales, l->bias, out, l->n, s->dtype == D_BF16);
+    }
     if (l->one_row != NULL && s->num_tokens == 1)
         return gemv(x, s->dtype, l->k, 1, l->one_row, 6, l->scales, l->in_scale, l->bias, l->n,
                     l->k, out, s->dtype, l->n);

@@ -30,20 +30,22 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvflow.config import cache_dir
 
 logger = logging.getLogger("kvflow.kernels")
 
 # One library from these sources: cpu_ops.c (attention, elementwise ops, argmax,
-# quantization), cpu_gemv.c (decode-shaped linears) and cpu_decode.c (a decode step's layers
-# in one call, workers/fused_decode.py).
+# quantization), cpu_gemv.c (decode-shaped linears), cpu_decode.c (a decode step's layers
+# in one call, workers/fused_decode.py) and cpu_gemm_i8.c (the int8 GEMM of CPUs without
+# VNNI).
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.c", "cpu_gemv.c",
-                                                         "cpu_decode.c")]
+                                                         "cpu_decode.c", "cpu_gemm_i8.c")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked apart, without -ffast-math: with it, GCC links crtfastmath.o into the library, whose
 # constructor turns on flush-to-zero and denormals-are-zero in the thread that loads it. That
@@ -171,6 +173,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pack_i8_panels.restype, lib.pack_i8_panels.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
+    lib.i8_gemm_available.restype, lib.i8_gemm_available.argtypes = ctypes.c_int, []
+    lib.i8_gemm_packed_bytes.restype, lib.i8_gemm_packed_bytes.argtypes = i64, [i64, i64]
+    lib.i8_gemm_pack.restype, lib.i8_gemm_pack.argtypes = ctypes.c_int, [ptr, i64, i64, ptr, ptr]
+    lib.i8_gemm.restype = ctypes.c_int
+    lib.i8_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i32]
     lib.attention_work_items.restype = i64
     lib.attention_work_items.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     lib.sample_rows_f32.restype = ctypes.c_int
@@ -424,6 +431,64 @@ def pack_i8_panels(weight: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(weight)
     if lib.pack_i8_panels(weight.data_ptr(), n, k, out.data_ptr()):
         return None
+    return out
+
+
+class I8Gemm(NamedTuple):
+    """7-bit int8 weights packed for `i8_gemm` (cpu_gemm_i8.c), from [n, k]."""
+    packed: torch.Tensor          # int8, the kernel's panels
+    comp: torch.Tensor            # int32 [n padded to 16]: 128 x each row's sum
+    scales: torch.Tensor          # float32 [n padded to 16]: W ~ q * scale per row
+    n: int
+    k: int
+
+
+def pad16(v: torch.Tensor) -> torch.Tensor:
+    """A vector in float32, zero-padded to a multiple of 16 (whole panels of `i8_gemm`)."""
+    return F.pad(v.float(), (0, -v.numel() % 16)).contiguous()
+
+
+def i8_gemm_available() -> bool:
+    """Whether this build has `i8_gemm` (x86 with AVX2)."""
+    lib = library()
+    return lib is not None and bool(lib.i8_gemm_available())
+
+
+def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
+    """int8 weights [n, k] with |q| <= 63 and their row scales, packed for `i8_gemm`; None
+    where this build has no such kernel (no AVX2) or the weights do not fit it (8-bit)."""
+    lib = library()
+    if lib is None or q.dtype != torch.int8 or q.dim() != 2 or int(q.abs().max()) > 63:
+        return None
+    n, k = q.shape
+    q = q.contiguous()
+    packed = torch.empty(int(lib.i8_gemm_packed_bytes(n, k)), dtype=torch.int8)
+    comp = torch.zeros(n + -n % 16, dtype=torch.int32)
+    if lib.i8_gemm_pack(q.data_ptr(), n, k, packed.data_ptr(), comp.data_ptr()):
+        return None
+    return I8Gemm(packed, comp, pad16(scales), n, k)
+
+
+def i8_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: I8Gemm,
+            bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Int8Linear's W7A8 product on CPUs without VNNI (cpu_gemm_i8.c): q [rows, k] uint8 with
+    zero point 128 and x_scales [rows] (`quantize_rows`) times `weight`, plus the bias
+    (float32 [n] or None), in `dtype`: the exact integer sums, scaled as `scale_rows` scales
+    oneDNN's output."""
+    lib = library()
+    assert lib is not None, build_error()
+    rows, k = q.shape
+    assert k == weight.k and q.dtype == torch.uint8 and q.stride(1) == 1
+    assert x_scales.dtype == torch.float32 and x_scales.is_contiguous()
+    assert dtype in DTYPES
+    out = torch.empty(rows, weight.n, dtype=dtype)
+    pad_bias = None if bias is None else pad16(bias)
+    code = lib.i8_gemm(q.data_ptr(), q.stride(0), rows, k, weight.packed.data_ptr(),
+                       weight.comp.data_ptr(), weight.n, weight.scales.data_ptr(),
+                       x_scales.data_ptr(), None if pad_bias is None else pad_bias.data_ptr(),
+                       out.data_ptr(), weight.n, int(dtype == torch.bfloat16))
+    if code:
+        raise RuntimeError("i8_gemm cannot run in this build (no AVX2)")
     return out
 
 

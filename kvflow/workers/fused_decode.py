@@ -21,7 +21,7 @@ import torch
 from kvflow.kernels import cpu_ops
 from kvflow.workers.attention.cpu_backend import CpuMetadata
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.linear import gemv_operands
+from kvflow.workers.layers.linear import Int8Weight, gemv_operands
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -30,7 +30,8 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 
 class _Linear(ctypes.Structure):
     _fields_ = [("w", _ptr), ("scales", _ptr), ("in_scale", _ptr), ("bias", _ptr),
-                ("type", _i32), ("n", _i64), ("k", _i64), ("one_row", _ptr)]
+                ("type", _i32), ("n", _i64), ("k", _i64), ("one_row", _ptr),
+                ("gemm", _ptr), ("gemm_comp", _ptr), ("gemm_scales", _ptr), ("gemv_rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -51,7 +52,8 @@ class _Step(ctypes.Structure):
                 ("positions", _ptr), ("slots", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("block_tables", _ptr), ("num_tables", _i64), ("max_blocks", _i64),
                 ("table_rows", _ptr), ("context_lens", _ptr), ("q_rows", _ptr),
-                *[(name, _ptr) for name in _BUFFERS], ("final_norm", _ptr), ("final_eps", _f32)]
+                *[(name, _ptr) for name in _BUFFERS], ("final_norm", _ptr), ("final_eps", _f32),
+                ("xq", _ptr), ("xscales", _ptr)]
 
 
 def _library() -> Any:
@@ -65,6 +67,10 @@ def _library() -> Any:
     lib.decode_final_norm.restype = ctypes.c_int
     lib.decode_final_norm.argtypes = [ctypes.POINTER(_Step)]
     return lib
+
+
+def _own_gemm(prepared: Any) -> bool:
+    return isinstance(prepared, Int8Weight) and prepared.own_gemm
 
 
 class FusedDecode:
@@ -110,10 +116,12 @@ class FusedDecode:
 
     @staticmethod
     def gemv_rows(model: LlamaForCausalLM) -> int:
-        """Up to how many rows every fused linear runs on the gemv kernel in the model's own
-        forward too (LinearMethod.gemv_rows): 32 where the kernel is the faster up to there
-        (AMX tiles; bfloat16 weights under float32; int8 without VNNI), else a few."""
-        return min(m.method.gemv_rows(m.prepared)
+        """Up to how many rows every fused linear runs as the model's own forward runs it:
+        on the gemv kernel (LinearMethod.gemv_rows: 32 where the kernel is the faster up to
+        there, AMX tiles or bfloat16 weights under float32, else a few), or any number where
+        past that the linear runs kvflow's int8 GEMM (int8 without VNNI), which this path
+        calls too."""
+        return min(1 << 30 if _own_gemm(m.prepared) else m.method.gemv_rows(m.prepared)
                    for layer in cast(list[LlamaDecoderLayer], list(model.model.layers))
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -122,14 +130,19 @@ class FusedDecode:
         operands = gemv_operands(module.prepared)
         assert operands is not None
         bias = None
-        if module.bias is not None:
-            bias = module.bias.detach().float().contiguous()
+        if module.bias is not None:              # padded to whole panels for i8_gemm
+            bias = cpu_ops.pad16(module.bias.detach())
             self._keep.append(bias)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         weight = operands.weight
+        gemm = module.prepared.packed if _own_gemm(module.prepared) else None
         return _Linear(weight.data_ptr(), ptr(operands.scales), ptr(operands.in_scale),
                        ptr(bias), cpu_ops.gemv_type(weight, operands.layout), weight.shape[0],
-                       weight.shape[1], ptr(operands.one_row))
+                       weight.shape[1], ptr(operands.one_row),
+                       None if gemm is None else gemm.packed.data_ptr(),
+                       None if gemm is None else gemm.comp.data_ptr(),
+                       None if gemm is None else gemm.scales.data_ptr(),
+                       module.method.gemv_rows(module.prepared))
 
     def _layer(self, layer: LlamaDecoderLayer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -199,6 +212,8 @@ class FusedDecode:
                       attn=nh * d, gate_up=2 * s["inter"], act=s["inter"])
         buffers = {name: torch.empty(t, width, dtype=self.dtype)
                    for name, width in widths.items()}
+        buffers["xq"] = torch.empty(t, max(widths.values()), dtype=torch.uint8)
+        buffers["xscales"] = torch.empty(t, dtype=torch.float32)
         k_cache = self.kv_cache.layers[0][0]
         step = _Step(dtype=cpu_ops.GEMV_TYPES[self.dtype], first=1,
                      kv_dtype=cpu_ops.GEMV_TYPES[k_cache.dtype], num_tokens=t,
@@ -209,6 +224,7 @@ class FusedDecode:
                      sin=self.rotary.sin.data_ptr(),
                      final_norm=self.final_norm.weight.data_ptr(),
                      final_eps=self.final_norm.eps,
+                     xq=buffers["xq"].data_ptr(), xscales=buffers["xscales"].data_ptr(),
                      **{name: buffers[name].data_ptr() for name in _BUFFERS})
         return step, buffers
 

@@ -119,7 +119,8 @@ class Arena:
 
 def move_decode_weights(model: nn.Module) -> int:
     """Every prepared weight the gemv kernel streams (layers/linear.py: GemvWeight.plain and
-    .one_row, Int8Weight.rows) into huge-page memory; a module weight that shares the copy's
+    .one_row, Int8Weight.rows; and the int8 GEMM's own panels, which decode steps of more
+    rows stream, cpu_ops.I8Gemm) into huge-page memory; a module weight that shares the copy's
     storage (a tied LM head's, the embedding's) is pointed at the copy too. Returns the bytes moved
     (0 where Linux refused huge pages)."""
     import torch
@@ -128,9 +129,16 @@ def move_decode_weights(model: nn.Module) -> int:
 
     # The 12-bit copies (read by one-row steps only) in an arena of their own, so that the
     # panels every larger step streams lie together.
-    arenas, moved = {"plain": Arena(), "rows": Arena(), "one_row": Arena()}, 0
+    arenas, moved = {"plain": Arena(), "rows": Arena(), "one_row": Arena(), "gemm": Arena()}, 0
     for module in model.modules():
         prepared: Any = getattr(module, "prepared", None)
+        if isinstance(prepared, Int8Weight) and prepared.own_gemm:
+            old = prepared.packed.packed
+            new = arenas["gemm"].place(old)
+            if new is not old:
+                prepared = prepared._replace(packed=prepared.packed._replace(packed=new))
+                module.prepared = prepared
+                moved += old.numel() * old.element_size()
         if isinstance(prepared, GemvWeight):
             fields = ["plain"] + (["one_row"] if prepared.one_row is not None else [])
         elif isinstance(prepared, Int8Weight) and prepared.rows is not None:

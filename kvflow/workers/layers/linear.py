@@ -223,18 +223,22 @@ def gemm_weight_levels(flags: frozenset[str]) -> int:
     return 127 if not flags or flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else 63
 
 
-def int8_gemv_rows(flags: frozenset[str], rows: int) -> int:
-    """Up to how many rows int8 products run W8A16 on the gemv kernel: `rows` (the
-    float layers' limit) where the CPU has VNNI or AMX-INT8, whose u8 x s8 GEMM is the faster
-    from 16 rows on; 48 where it has neither. Measured (all of a decode step's linears, 2
-    threads): as an AVX2 CPU, with the kernel before its integer sums, 0.37x oneDNN's W7A8
-    GEMM's time at 8 rows, 0.56x at 16, 0.89x at 32 and 1.4x at 64; with the integer sums and
-    VNNI, against oneDNN's W8A8: 0.6x at 4 rows, 0.75x at 8, 1.05-1.13x at 16, 1.35-1.65x at 32
-    (decode steps of up to 8 tokens run fused on the gemv kernel anyway). With two input
-    pairs a step (cpu_gemv.c), on an AVX2 AMD EPYC (Zen 3), against W7A8: 0.52x at 16 rows,
-    0.77-0.79x at 32, 0.98x at 48, 1.03-1.10x at 64, 1.29x at 256; so 48, where W8A16's finer
-    activations and 8-bit weights come at no cost."""
-    return rows if gemm_weight_levels(flags) == 127 else max(rows, 48)
+def int8_gemv_rows(flags: frozenset[str], rows: int, own_gemm: bool = False) -> int:
+    """Up to how many rows int8 products run W8A16 on the gemv kernel: `rows` (the float
+    layers' limit) where the CPU has VNNI or AMX-INT8, whose u8 x s8 GEMM is the faster from
+    there on, or where kvflow's own W7A8 GEMM runs (`own_gemm`: kernels/cpu_gemm_i8.c, CPUs
+    without VNNI); 48 where only oneDNN's W7A8 GEMM would run without VNNI.
+    Measured (all of a decode step's linears, 2 threads), the gemv kernel against oneDNN: as
+    an AVX2 CPU, with the kernel before its integer sums, 0.37x oneDNN's W7A8 GEMM's time at
+    8 rows, 0.56x at 16, 0.89x at 32 and 1.4x at 64; with the integer sums and VNNI, against
+    oneDNN's W8A8: 0.6x at 4 rows, 0.75x at 8, 1.05-1.13x at 16, 1.35-1.65x at 32. With two
+    input pairs a step (cpu_gemv.c), on an AVX2 AMD EPYC (Zen 3), against W7A8: 0.52x at 16
+    rows, 0.77-0.79x at 32, 0.98x at 48, 1.03-1.10x at 64. Against kvflow's GEMM (same CPU,
+    the 32-request workload in one process, decode steps of 5-8 / 9-16 tokens, two pairs):
+    17.6/14.7 and 39.0/30.8 ms a step with the GEMM past 4 rows, 19.0/16.6 and 43.9/43.4
+    with it past 16."""
+    wide = gemm_weight_levels(flags) == 127
+    return rows if wide or own_gemm else max(rows, 48)
 
 
 def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -256,7 +260,9 @@ def quantize_weight(weight: torch.Tensor, levels: int = 127
 
 
 class Int8Weight(NamedTuple):
-    packed: torch.Tensor            # int8 in oneDNN's layout (qlinear_prepack)
+    # The GEMM's weights (smoothed): int8 in oneDNN's layout (qlinear_prepack), or where
+    # `own_gemm`, 7-bit ones packed for Int8Linear's `gemm` (cpu_ops.I8Gemm).
+    packed: Any
     scales: torch.Tensor            # float32 [out_features]
     zero_points: torch.Tensor       # int64 zeros [out_features] (symmetric)
     # The gemv kernel's (decode, W8A16): the weight before SmoothQuant, int8 per row, and
@@ -267,6 +273,7 @@ class Int8Weight(NamedTuple):
     row_scales: torch.Tensor | None = None    # float32 [out]
     in_scale: torch.Tensor | None = None      # float32 [in], or None
     layout: str = "rows"                      # row-major, or "panels" (cpu_ops.pack_i8_panels)
+    own_gemm: bool = False
 
 
 class Int8Linear(LinearMethod):
@@ -277,10 +284,12 @@ class Int8Linear(LinearMethod):
       (kernels/cpu_gemv.c), at the memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
       (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
-      int8 GEMM (VNNI, AMX where the CPU has them) into float32; the GEMM's weights are 7-bit
-      where the CPU lacks VNNI and AMX-INT8 (`gemm_weight_levels`: W7A8); each output row is
-      then scaled by its token's scale (`scale_rows`, which also adds the bias and rounds
-      once to the model dtype).
+      int8 GEMM (VNNI, AMX where the CPU has them) into float32; each output row is then
+      scaled by its token's scale (`scale_rows`, which also adds the bias and rounds once to
+      the model dtype). Where the CPU lacks VNNI and AMX-INT8 the GEMM's weights are 7-bit
+      (`gemm_weight_levels`: W7A8), and `gemm` (with `gemm_pack`: kernels/cpu_gemm_i8.c, the
+      same integer sums, scaled in the same order) takes oneDNN's place: 1.1-1.3x its speed
+      at prefill shapes, ~2x at 32 rows.
     Same results as the float layer within int8 rounding (tests/test_int8.py). Until
     `finish_loading` it multiplies by the float weight (the SmoothQuant calibration pass runs
     then)."""
@@ -293,13 +302,18 @@ class Int8Linear(LinearMethod):
                                        torch.dtype], torch.Tensor] = scale_rows_ref,
                  gemv: Callable[..., torch.Tensor] | None = None, max_rows: int = 0,
                  weight_levels: int | None = None,
-                 pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                 pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 gemm: Callable[..., torch.Tensor] | None = None,
+                 gemm_pack: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
                  ) -> None:
         self.quantize_rows = quantize_rows
         self.pack_panels = pack_panels
         self.scale_rows = scale_rows
         self.weight_levels = (gemm_weight_levels(cpu_flags()) if weight_levels is None
                               else weight_levels)
+        # kvflow's GEMM multiplies 7-bit weights only (8-bit ones saturate its 16-bit sums).
+        self.gemm, self.gemm_pack = ((gemm, gemm_pack) if self.weight_levels == 63
+                                     else (None, None))
         self.gemv = gemv
         self.max_rows = max_rows if gemv is not None else 0
         bits = 8 if self.weight_levels == 127 else 7
@@ -318,9 +332,10 @@ class Int8Linear(LinearMethod):
             panels = self.pack_panels(rows) if self.pack_panels is not None else None
             if panels is not None:               # same results, streamed as one run a panel
                 rows, layout = panels, "panels"
-        return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None), scales,
-                          torch.zeros(q.shape[0], dtype=torch.int64), rows, row_scales,
-                          in_scale, layout)
+        own = self.gemm_pack(q, scales) if self.gemm_pack is not None else None
+        return Int8Weight(torch.ops.onednn.qlinear_prepack(q, None) if own is None else own,
+                          scales, torch.zeros(q.shape[0], dtype=torch.int64), rows, row_scales,
+                          in_scale, layout, own is not None)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,6 +348,11 @@ class Int8Linear(LinearMethod):
                              in_scale=prepared.in_scale, layout=prepared.layout)
         shape = x.shape
         q, x_scales = self.quantize_rows(x)              # 8 bits, zero point 128
+        if prepared.own_gemm:
+            assert self.gemm is not None
+            y = self.gemm(q, x_scales, prepared.packed, None if bias is None else bias.float(),
+                          x.dtype)
+            return y.view(shape[:-1] + (y.shape[-1],))
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, prepared.packed, prepared.scales,
                                                prepared.zero_points, None, 1.0, 0,
                                                torch.float32, "none", [None], "")

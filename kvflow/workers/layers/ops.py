@@ -67,7 +67,10 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 #   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
 #   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs); with the bfloat16 copy in the
 #   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to GEMV_MAX_ROWS_PANELS;
-# - int8 without VNNI (layers/linear.py int8_gemv_rows).
+# - int8 without VNNI: past GEMV_MAX_ROWS every fused linear runs kvflow's W7A8 GEMM
+#   (kernels/cpu_gemm_i8.c), as the model's forward does (workers/fused_decode.py gemv_rows);
+#   with oneDNN's GEMM only, up to 48 rows on the gemv kernel (layers/linear.py
+#   int8_gemv_rows).
 GEMV_MAX_ROWS = 4
 GEMV_MAX_ROWS_WIDENED = 32
 GEMV_MAX_ROWS_PANELS = 64
@@ -127,8 +130,11 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             raise ValueError(f"quantization='int8' cannot run: {why}")
         linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,
                                            cpu_ops.gemv,
-                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS),
-                                           pack_panels=cpu_ops.pack_i8_panels)
+                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS,
+                                                          cpu_ops.i8_gemm_available()),
+                                           pack_panels=cpu_ops.pack_i8_panels,
+                                           gemm=cpu_ops.i8_gemm,
+                                           gemm_pack=cpu_ops.i8_gemm_pack)
                                 if c_kernels else Int8Linear())
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
