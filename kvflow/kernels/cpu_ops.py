@@ -1,6 +1,8 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
 the KV store, RMSNorm (alone or after the residual add), SiLU-and-mul, rotary, the sampler's row argmax and the int8 linears'
-per-token quantization and output scaling. Each has a torch reference it is tested against
+per-token quantization and output scaling; the decode-shaped linears (cpu_gemv.c), a decode
+step's layers in one call (cpu_decode.c) and the int8 GEMM of CPUs without VNNI
+(cpu_gemm_i8.c, `i8_gemm`). Each has a torch reference it is tested against
 (the torch attention backend and store; layers/norm.py, layers/activation.py,
 layers/rotary.py; torch.argmax; layers/linear.py's quantize_rows_ref and scale_rows_ref).
 
