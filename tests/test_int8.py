@@ -96,7 +96,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
 def test_default_model_int8_tracks_float32_hf(default_model: str) -> None:
     """int8's own greedy tokens, scored by HF float32 on the same prefixes (one forward over
     prompt + output): at every position int8's token is one of HF's top 5 and the two
-    logprobs of it are close. Batched (decode steps of six rows: W8A8) and alone (decodes
+    logprobs of it are close. Batched (decode steps of six rows: W8A8, W7A8 without VNNI) and alone (decodes
     W8A16). Per position, so one near-tie does not cascade as counting tokens before
     the first divergence from HF's own greedy run would."""
     from transformers import AutoModelForCausalLM
@@ -164,9 +164,10 @@ def test_int8_under_tensor_parallelism(tiny_models: dict[str, str]) -> None:
     """Each rank smooths and quantizes its own shards (row-parallel inputs are per-rank
     channels; the calibration pass runs on every rank with its all-reduces): TP=2 follows
     TP=1 int8 on the tiny Llama under the top-5 rule (per-rank weight scales differ, so
-    near-ties of the random model may flip)."""
+    near-ties of the random model may flip). Each prompt twice: decode steps of six rows,
+    which on CPUs without VNNI run kvflow's GEMM in the fused step (per-rank input widths)."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    prompts = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
+    prompts = ["Hello, my name is", "The capital of France is", "1, 2, 3,"] * 2
     runs = []
     for tp in (1, 2):
         with LLM(tiny_models["llama"], tensor_parallel_size=tp, quantization="int8",
@@ -236,7 +237,8 @@ def test_int8_runs_w8a16_up_to_4_rows_then_a_gemm(monkeypatch: pytest.MonkeyPatc
     w = torch.randn(96, 576, generator=gen)
     prepared = method.prepare(w)
     own = without_vnni and cpu_ops.i8_gemm_available()
-    assert prepared.own_gemm == own and "W7A8" in method.name if own else True
+    assert prepared.own_gemm == own
+    assert ("W7A8" in method.name) == without_vnni
     calls: dict[str, list[int]] = {"gemv": [], "gemm": []}
     for name in calls:
         fn = getattr(method, name)
@@ -263,7 +265,7 @@ def test_kvflows_int8_gemm_is_the_exact_integer_product(kernels: str, with_bias:
     if not cpu_ops.i8_gemm_available():
         pytest.skip("this build has no kvflow int8 GEMM (no AVX2)")
     gen = torch.Generator().manual_seed(3)
-    cases = [(1, 1, 1), (1, 17, 13), (7, 40, 64), (69, 33, 577), (130, 96, 576),
+    cases = [(1, 1, 1), (9, 17, 3), (1, 17, 13), (7, 40, 64), (69, 33, 577), (130, 96, 576),
              (5, 576, 1536)]
     for m, n, k in cases:
         w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen) * 3
@@ -283,8 +285,9 @@ def test_kvflows_int8_gemm_is_the_exact_integer_product(kernels: str, with_bias:
         torch.testing.assert_close(got.float(), exact.to(dtype).float(), rtol=tol,
                                    atol=tol * float(exact.abs().max()))
     # 8-bit weights could saturate the pair sums: not packed for this kernel.
-    assert cpu_ops.i8_gemm_pack(torch.full((4, 8), 100, dtype=torch.int8),
-                                torch.ones(4)) is None
+    for value in (100, -128, -64):
+        assert cpu_ops.i8_gemm_pack(torch.full((4, 8), value, dtype=torch.int8),
+                                    torch.ones(4)) is None
 
 
 def test_int8_gemv_rows_are_held_in_panels_where_the_shape_allows(kernels: str) -> None:

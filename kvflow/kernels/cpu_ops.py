@@ -460,7 +460,8 @@ def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
     """int8 weights [n, k] with |q| <= 63 and their row scales, packed for `i8_gemm`; None
     where this build has no such kernel (no AVX2) or the weights do not fit it (8-bit)."""
     lib = library()
-    if lib is None or q.dtype != torch.int8 or q.dim() != 2 or int(q.abs().max()) > 63:
+    if (lib is None or q.dtype != torch.int8 or q.dim() != 2 or q.numel() == 0
+            or int(q.min()) < -63 or int(q.max()) > 63):     # (int8's abs(-128) is -128)
         return None
     n, k = q.shape
     q = q.contiguous()

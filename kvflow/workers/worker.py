@@ -198,8 +198,9 @@ class Worker:
 
     def _fuse_decode_steps(self) -> None:
         """CPU with the C kernels: steps of at most FUSED_MAX_TOKENS tokens (up to
-        FUSED_MAX_TOKENS_WIDE where every linear runs that many rows on the gemv kernel in the
-        model's forward too) run every layer in one C call (workers/fused_decode.py), and
+        FUSED_MAX_TOKENS_WIDE where every linear runs that many rows as the model's forward
+        does: on the gemv kernel, or past its rows on kvflow's int8 GEMM,
+        FusedDecode.gemv_rows) run every layer in one C call (workers/fused_decode.py), and
         steps of plain greedy rows take their tokens from an int8 copy of the LM head plus a
         few exact rows (workers/greedy_head.py); enforce_eager keeps both off."""
         if self.ops.name != "c" or self.backend.name != "cpu" or self.config.enforce_eager:

@@ -278,8 +278,8 @@ class Int8Weight(NamedTuple):
 
 class Int8Linear(LinearMethod):
     """int8 weights per output channel on CPU, two ways:
-    - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel; more rows on
-      CPUs without VNNI, `int8_gemv_rows`): W8A16, x rounded per row to 15-bit integers
+    - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel; 48 on CPUs
+      without VNNI where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per row to 15-bit integers
       (2^-15 of its largest value) and multiplied with the int8 rows in exact integer sums
       (kernels/cpu_gemv.c), at the memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
