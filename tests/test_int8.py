@@ -96,9 +96,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
 def test_default_model_int8_tracks_float32_hf(default_model: str) -> None:
     """int8's own greedy tokens, scored by HF float32 on the same prefixes (one forward over
     prompt + output): at every position int8's token is one of HF's top 5 and the two
-    logprobs of it are close. Batched (decode steps of six rows: W8A8, W7A8 without VNNI) and alone (decodes
-    W8A16). Per position, so one near-tie does not cascade as counting tokens before
-    the first divergence from HF's own greedy run would."""
+    logprobs of it are close. Batched (decode steps of six rows: W8A8, W7A8 without VNNI)
+    and alone (decodes W8A16). Per position, so one near-tie does not cascade as counting
+    tokens before the first divergence from HF's own greedy run would."""
     from transformers import AutoModelForCausalLM
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
     with LLM(default_model, quantization="int8", dtype="float32", kv_cache_memory_gb=0.1,

@@ -188,10 +188,10 @@ static inline __attribute__((always_inline)) void i8g_tile(
 }
 #endif
 
-/* out [M, N] float32, or bfloat16 where obf16 (row stride ldo) = dequantized xq [M, K] (uint8, zero point 128, row
- * stride ldx; x ~ (xq - 128) * xscale[m]) times the packed weights' [N, K] (w ~ q * wscale[n]),
- * plus bias [N] (float32) or NULL. wscale and bias are read in whole panels: both padded to
- * a multiple of 16 (cpu_ops.py pads them). */
+/* out [M, N] float32, or bfloat16 where obf16 (row stride ldo) = dequantized xq [M, K]
+ * (uint8, zero point 128, row stride ldx; x ~ (xq - 128) * xscale[m]) times the packed
+ * weights' [N, K] (w ~ q * wscale[n]), plus bias [N] (float32) or NULL. wscale and bias are
+ * read in whole panels: both padded to a multiple of 16 (cpu_ops.py pads them). */
 int i8_gemm(const uint8_t *xq, int64_t ldx, int64_t M, int64_t K, const int8_t *packed,
             const int32_t *comp, int64_t N, const float *wscale, const float *xscale,
             const float *bias, void *out, int64_t ldo, int obf16) {
@@ -210,7 +210,8 @@ int i8_gemm(const uint8_t *xq, int64_t ldx, int64_t M, int64_t K, const int8_t *
         /* The first tile of an item also brings the next panel's weights into L1, a line
          * a step (the weights of a few-row product come from memory). */
         const int8_t *next = p + 1 < panels && M <= 48 ? panel + I8G_NR * kp : panel;
-#define I8G_AT(m) xq + (m) * ldx, ldx, K, panel, (m) == mb * I8G_MB ? next : panel, comp + n0, wscale + n0, xscale + (m), b,       \
+#define I8G_AT(m) xq + (m) * ldx, ldx, K, panel, (m) == mb * I8G_MB ? next : panel,         \
+                  comp + n0, wscale + n0, xscale + (m), b,                                    \
                   (char *)out + ((m) * ldo + n0) * es, ldo, nv, obf16
         for (; m + I8G_MR <= m_end; m += I8G_MR) i8g_tile(4, I8G_AT(m));
         switch (m_end - m) {

@@ -279,9 +279,9 @@ class Int8Weight(NamedTuple):
 class Int8Linear(LinearMethod):
     """int8 weights per output channel on CPU, two ways:
     - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel; 48 on CPUs
-      without VNNI where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per row to 15-bit integers
-      (2^-15 of its largest value) and multiplied with the int8 rows in exact integer sums
-      (kernels/cpu_gemv.c), at the memory's read speed;
+      without VNNI where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per
+      row to 15-bit integers (2^-15 of its largest value) and multiplied with the int8 rows
+      in exact integer sums (kernels/cpu_gemv.c), at the memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
       (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
       int8 GEMM (VNNI, AMX where the CPU has them) into float32; each output row is then
