@@ -89,14 +89,24 @@ def test_tensor_parallel_2_fused_equals_unfused(default_model: str, tmp_path: st
 
 
 def test_int8_fused_equals_unfused(default_model: str) -> None:
-    """int8: decode steps of at most four rows are W8A16 on the gemv kernel in both
-    paths (layers/linear.py Int8Linear), so fused and unfused give the same tokens."""
+    """int8 as this CPU runs it: decode steps of at most four rows are W8A16 on the gemv
+    kernel in both paths (layers/linear.py Int8Linear), so fused and unfused (the same
+    engine with its fused path taken away) give the same tokens, batched and alone."""
     from kvflow.workers.layers.linear import Int8Linear
     if Int8Linear.works() is not None:
         pytest.skip(f"int8 does not run here: {Int8Linear.works()}")
-    options = dict(dtype="float32", quantization="int8")
-    assert greedy(default_model, PROMPTS[:4], **options) == greedy(
-        default_model, PROMPTS[:4], enforce_eager=True, **options)
+    tokens = []
+    with LLM(default_model, in_process=True, dtype="float32", quantization="int8",
+             kv_cache_memory_gb=0.2, enable_prefix_caching=False) as llm:
+        run = runner(llm)
+        fused = run.fused
+        assert fused is not None
+        for path in (fused, None):
+            run.fused = path
+            tokens.append([o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY,
+                                                             use_tqdm=False)]
+                          + [llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids])
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.parametrize("model,dtype", [("default", "float32"), ("qwen2", "bfloat16")])
