@@ -2,7 +2,8 @@
 
 With --gemv: the decode-shaped linear (cpu_gemv.c; row-major weights, bfloat16 in the AMX
 tile layout where the CPU has AMX, bfloat16 in panels under float32 x, the same panels in 12
-bits a weight, int8 in panels) against oneDNN (torch's packed linear) and against a plain
+bits a weight, bfloat16 in pair panels under bfloat16 x where the CPU has AVX512-BF16, int8
+in panels) against oneDNN (torch's packed linear) and against a plain
 memory read. The 12-bit panels' GB/s are the bfloat16 bytes they stand for over the time
 (the bytes read are 76% of that). For each of the model's weight shapes and types, enough
 copies of the matrix to exceed the caches (1 GiB) are multiplied by one row each, in turn,
@@ -86,7 +87,7 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
           f"{'2 MB pages, as the engine holds them' if args.huge_pages else 'torch allocations'}")
     print(f"{'shape':10s}{'weights':>9s}{'MB':>7s}{'gemv GB/s':>11s}{'of read':>9s}"
           f"{'AMX tiles GB/s':>16s}{'panels GB/s':>13s}{'12-bit GB/s':>13s}"
-          f"{'oneDNN GB/s':>13s}")
+          f"{'pairs GB/s':>12s}{'oneDNN GB/s':>13s}")
     onednn = OneDnnLinear()
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
         for name, (n, k) in GEMV_SHAPES.items():
@@ -119,6 +120,13 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                     bf16_panels[layout] = f"{len(copies) * nbytes / t / 1e9:.1f}"
                     del packed
             panels, panels12 = bf16_panels["panels"], bf16_panels["panels12"]
+            pairs = "-"                      # bf16 pair panels, bf16 x (AVX512-BF16)
+            if dtype == torch.bfloat16 and cpu_ops.pack_pairs(weight) is not None:
+                place = in_pages(args)
+                packed = [place(cpu_ops.pack_pairs(c)) for c in copies]
+                t = timed(lambda: [cpu_ops.gemv(x, p, layout="pairs") for p in packed], 3)
+                pairs = f"{len(copies) * nbytes / t / 1e9:.1f}"
+                del packed
             if dtype == torch.int8 and cpu_ops.pack_i8_panels(weight) is not None:
                 place = in_pages(args)
                 packed = [place(cpu_ops.pack_i8_panels(c)) for c in copies]  # int8 panels
@@ -135,7 +143,8 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
                 del packed
             gbs = len(copies) * nbytes / ours / 1e9
             print(f"{name:10s}{str(dtype)[6:]:>9s}{nbytes / 1e6:7.1f}{gbs:11.1f}"
-                  f"{gbs / read:9.0%}{tiles:>16s}{panels:>13s}{panels12:>13s}{theirs:>13s}",
+                  f"{gbs / read:9.0%}{tiles:>16s}{panels:>13s}{panels12:>13s}{pairs:>12s}"
+                  f"{theirs:>13s}",
                   flush=True)
             del copies
 

@@ -528,6 +528,69 @@ def test_gemv_panel_layout_matches_torch(kernels: str, m: int, n: int, k: int) -
     torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
 
 
+def _pairs_here(kernels: str) -> bool:
+    """Whether this build multiplies bfloat16 pair panels: built with AVX512-BF16, which the
+    native build is where the CPU has it (the other builds leave it out)."""
+    return kernels == "native" and "avx512_bf16" in cpu_flags()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 13, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 30), (32, 2)])
+def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) -> None:
+    """bfloat16 weights in pair panels (pack_pairs) under bfloat16 x: where the build has
+    AVX512-BF16, row counts that split into uneven blocks (7, 13, 33, 70), strided x, the bias,
+    bfloat16 and float32 output, against float64 torch; a row's result does not depend on
+    the batch. Elsewhere, and for shapes or operands it cannot take, nothing is packed and
+    the layout is refused."""
+    x = torch.randn(m, 2 * k).bfloat16()[:, ::2]
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
+    packed = cpu_ops.pack_pairs(w)
+    if not _pairs_here(kernels):
+        assert packed is None
+        with pytest.raises(RuntimeError, match="pairs"):
+            cpu_ops.gemv(x, w, None, bias, layout="pairs")
+        return
+    assert packed is not None and packed.shape == w.shape
+    assert cpu_ops.pack_pairs(w[: n - 8]) is None and cpu_ops.pack_pairs(w.float()) is None
+    assert cpu_ops.pack_pairs(w[:, : k - 1]) is None                       # K odd
+    ref = x.double() @ w.double().T + bias.double()
+    scale = float(ref.abs().max())
+    got = cpu_ops.gemv(x, packed, None, bias, out_dtype=torch.float32, layout="pairs")
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
+    assert torch.equal(cpu_ops.gemv(x[-1:], packed, None, bias, out_dtype=torch.float32,
+                                    layout="pairs"), got[-1:])
+    half = cpu_ops.gemv(x, packed, None, bias, layout="pairs")
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
+    with pytest.raises(RuntimeError, match="pairs"):                      # x must be bf16
+        cpu_ops.gemv(x.float(), packed, None, bias, layout="pairs")
+
+
+def test_gemv_linear_holds_bfloat16_pair_panels(kernels: str) -> None:
+    """GemvLinear with pack_pairs (bfloat16 arithmetic without AMX): where the build has
+    AVX512-BF16, a weight whose outputs fill whole panels is held in pair panels beside
+    oneDNN's copy (others row-major) and products of up to pair_rows rows read it; every
+    row count (pairs, the row-major kernel, oneDNN above) gives the product."""
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
+    inner = OneDnnLinear() if OneDnnLinear.works(torch.bfloat16) else LinearMethod()
+    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64)
+    assert "pair panels <= 64 rows" in method.name
+    for n, k in [(96, 64), (40, 64)]:                   # 40 outputs: not a whole panel
+        w = torch.randn(n, k).bfloat16()
+        prepared = method.prepare(w)
+        paired = _pairs_here(kernels) and n % 32 == 0 and prepared.packed is not None
+        assert (prepared.layout == "pairs") == paired
+        assert gemv_operands(prepared).layout == prepared.layout
+        assert method.gemv_rows(prepared) == (64 if paired else 4)
+        for m in (1, 7, 33, 64, 65):
+            x = torch.randn(m, k).bfloat16()
+            ref = x.double() @ w.double().T
+            torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
+                                       atol=4e-3 * float(ref.abs().max()), rtol=8e-3)
+
+
 def _whole_groups(packed: torch.Tensor) -> int:
     """The count of groups pack_panels12 kept whole (the packed bytes' first int64)."""
     return int(packed.view(-1)[:8].view(torch.int64)[0])
@@ -676,7 +739,7 @@ def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
     assert calls == ["panels12", "panels"]
 
 
-@pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels"])
+@pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels", "pairs"])
 def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layout: str) -> None:
     """Panels are shared out by work stealing (cpu_gemv.c shares_claim: a thread done with
     its own share takes groups from the back of the others'): with more threads than cores
@@ -689,6 +752,11 @@ def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layou
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scales = torch.rand(n) / 50 + 1e-3
         packed, name = cpu_ops.pack_i8_panels(q), "panels"
+    elif layout == "pairs":
+        scales, packed, name = None, cpu_ops.pack_pairs(w.bfloat16()), "pairs"
+        if not _pairs_here(kernels):                   # a build without AVX512-BF16
+            assert packed is None
+            return
     else:
         scales = None
         pack = cpu_ops.pack_panels if layout == "panels" else cpu_ops.pack_panels12
@@ -699,6 +767,7 @@ def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layou
     try:
         for m in (1, 3, 9):
             x = torch.randn(m, k)
+            x = x.bfloat16() if layout == "pairs" else x
             results = []
             for t in (1, 2, 7, 7, 7):
                 torch.set_num_threads(t)

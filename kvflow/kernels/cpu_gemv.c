@@ -33,9 +33,10 @@
 /* T_BF16_AMX: bfloat16 packed for the tile unit (`pack_amx`), read only where it runs.
  * T_BF16_PANELS: bfloat16 in panels of PANEL outputs (`pack_panels`), float32 arithmetic.
  * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`).
- * T_BF16_PANELS12: the bfloat16 panels in 12 bits a weight, lossless (`pack_panels12`). */
+ * T_BF16_PANELS12: the bfloat16 panels in 12 bits a weight, lossless (`pack_panels12`).
+ * T_BF16_PAIRS: bfloat16 in panels by input pairs (`pack_pairs`), bfloat16 dot products. */
 enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5,
-       T_BF16_PANELS12 = 6 };
+       T_BF16_PANELS12 = 6, T_BF16_PAIRS = 7 };
 
 static inline float gemv_bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -690,6 +691,126 @@ static void panel_rows(const uint16_t *p, int64_t K, const float *x, int64_t M, 
     }
 }
 #endif
+
+/* --- bfloat16 weights in panels by input pairs, bfloat16 arithmetic (T_BF16_PAIRS) -------
+ *
+ * Where the CPU multiplies bfloat16 itself (AVX512-BF16), x is bfloat16 and vdpbf16ps adds
+ * two products per lane per instruction: twice the float32 panels' arithmetic per
+ * instruction, no widening. Its operands are pairs of inputs, so W is held as the int8
+ * panels are, [N / PANEL][K / 2][PANEL][2] bfloat16: at input pair k/2 one 64-byte load
+ * gives outputs 0..15 of the panel (lane j: output j's weights at inputs k and k + 1), the
+ * next outputs 16..31, and a row's pair (x[k], x[k + 1]) is broadcast as one 32-bit word.
+ * The row-major vdpbf16ps kernel (`pairs` in gemv) pays horizontal sums per output and row
+ * and streams four weight rows K apart: on an AMD EPYC Zen 5 (2 threads) it read a decode
+ * step's linears at 21-34 GB/s at one row where the float32 panels read 27-49, and both
+ * fell to about 13 GB/s at 32 rows (arithmetic-bound), under oneDNN's bfloat16 GEMM (18).
+ * Rows and panels go as the float32 panels' (panel_rows, groups of 4 / 2 panels at one /
+ * two to four rows, MR rows a block); each output sums its pairs in order, whatever the
+ * block, so a row's result does not depend on the rows that came with it. K even. */
+#if defined(VL) && VL == 16 && defined(__AVX512BF16__)
+#define BF16_PAIRS 1
+#define DEFINE_PAIR_GROUP(R, NP)                                                              \
+static inline __attribute__((always_inline)) void                                            \
+pair_group_##R##_##NP(const uint16_t *p, int64_t K, const uint16_t *x, float *out, int64_t M, \
+                      const char *pf, int64_t pf_lines, int64_t pf_step) {                    \
+    __m512 acc[NP][R][2];                                                                     \
+    _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++)                                  \
+            acc[j][i][0] = acc[j][i][1] = _mm512_setzero_ps();                                \
+    const int64_t step = pf_lines > 0 ? PANEL_PF_STEP : K;                                    \
+    for (int64_t k0 = 0; k0 < K; k0 += step) {                                                \
+        for (int64_t l = 0; l < pf_step && pf_lines > 0; l++, pf_lines--, pf += 64)           \
+            _mm_prefetch(pf, _MM_HINT_T1);                                                    \
+        const int64_t kend = K - k0 < step ? K : k0 + step;                                   \
+        for (int64_t k = k0; k < kend; k += 2)                                                \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                            \
+                const uint16_t *pj = p + (j * K + k) * PANEL;                                 \
+                _mm_prefetch((const char *)pj + PANEL_PREFETCH, _MM_HINT_T0);                 \
+                _mm_prefetch((const char *)pj + PANEL_PREFETCH + 64, _MM_HINT_T0);            \
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pj);                        \
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pj + 2 * VL);               \
+                _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                        \
+                    int32_t pair;                                                             \
+                    memcpy(&pair, x + i * K + k, sizeof pair);                                \
+                    const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);                     \
+                    acc[j][i][0] = _mm512_dpbf16_ps(acc[j][i][0], w0, b);                     \
+                    acc[j][i][1] = _mm512_dpbf16_ps(acc[j][i][1], w1, b);                     \
+                }                                                                             \
+            }                                                                                 \
+    }                                                                                         \
+    _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                                      \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                \
+            _mm512_storeu_ps(out + (j * M + i) * PANEL, acc[j][i][0]);                        \
+            _mm512_storeu_ps(out + (j * M + i) * PANEL + VL, acc[j][i][1]);                   \
+        }                                                                                     \
+}
+DEFINE_PAIR_GROUP(1, 4)
+DEFINE_PAIR_GROUP(1, 2)
+DEFINE_PAIR_GROUP(2, 2)
+DEFINE_PAIR_GROUP(1, 1)
+DEFINE_PAIR_GROUP(2, 1)
+DEFINE_PAIR_GROUP(3, 1)
+DEFINE_PAIR_GROUP(4, 1)
+DEFINE_PAIR_GROUP(5, 1)
+DEFINE_PAIR_GROUP(6, 1)
+DEFINE_PAIR_GROUP(7, 1)
+DEFINE_PAIR_GROUP(8, 1)
+DEFINE_PAIR_GROUP(9, 1)
+DEFINE_PAIR_GROUP(10, 1)
+DEFINE_PAIR_GROUP(11, 1)
+DEFINE_PAIR_GROUP(12, 1)
+
+/* x (M bfloat16 rows of K) times one pair panel into out[M][PANEL], as panel_rows. */
+static void pair_rows(const uint16_t *p, int64_t K, const uint16_t *x, int64_t M, float *out,
+                      const void *next, int64_t next_bytes) {
+    const int64_t blocks = (M + MR - 1) / MR;
+    const int64_t lines = next_bytes / 64, share = (lines + blocks - 1) / blocks;
+    if (blocks == 1 || share == 0) next = NULL;
+    const int64_t per_step = (share * PANEL_PF_STEP + K - 1) / K;
+    int64_t m0 = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r = (M - m0) / (blocks - b);
+        const uint16_t *xb = x + m0 * K;
+        float *ob = out + m0 * PANEL;
+        const char *pf = next ? (const char *)next + b * share * 64 : NULL;
+        const int64_t n = next ? share : 0;
+        switch (r) {
+            case 1: pair_group_1_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 2: pair_group_2_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 3: pair_group_3_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 4: pair_group_4_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 5: pair_group_5_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 6: pair_group_6_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 7: pair_group_7_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 8: pair_group_8_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 9: pair_group_9_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 10: pair_group_10_1(p, K, xb, ob, M, pf, n, per_step); break;
+            case 11: pair_group_11_1(p, K, xb, ob, M, pf, n, per_step); break;
+            default: pair_group_12_1(p, K, xb, ob, M, pf, n, per_step); break;
+        }
+        m0 += r;
+    }
+}
+#endif
+
+/* W [N, K] bfloat16 row-major into pair panels (above). Returns 0, or 2 where this build has
+ * no such path or N % PANEL or K % 2 is not 0. */
+int pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+#ifdef BF16_PAIRS
+    if (N % PANEL || K % 2) return 2;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t k = 0; k < K; k += 2)
+            for (int64_t j = 0; j < PANEL; j++) {
+                uint16_t *o = out + (p * K + k) * PANEL + 2 * j;
+                o[0] = w[(p * PANEL + j) * K + k];
+                o[1] = w[(p * PANEL + j) * K + k + 1];
+            }
+    return 0;
+#else
+    (void)w, (void)N, (void)K, (void)out;
+    return 2;
+#endif
+}
 
 /* Panels shared out among a parallel region's threads: each starts on its own contiguous
  * share, as a static split would give it, and claims `group` panels at a time from its
@@ -1386,15 +1507,24 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
  * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
  * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
  * this path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
- * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0).
+ * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0), or
+ * T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no in_scale).
  * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
- * (no AMX, x not bf16, K % 32 or N % 16 not 0), or T_BF16_PANELS and this build cannot. */
+ * (no AMX, x not bf16, K % 32 or N % 16 not 0), or T_BF16_PANELS / T_BF16_PAIRS and this
+ * build or these operands cannot. */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
     const int esize = wtype == T_F32 ? 4 : wtype == T_I8 || wtype == T_I8_PANELS ? 1 : 2;
     const int panels12 = wtype == T_BF16_PANELS12;
-    const int panels = wtype == T_BF16_PANELS || panels12, i8_panels = wtype == T_I8_PANELS;
+    const int bf16_pairs = wtype == T_BF16_PAIRS;
+    const int panels = wtype == T_BF16_PANELS || panels12 || bf16_pairs;
+    const int i8_panels = wtype == T_I8_PANELS;
+#ifdef BF16_PAIRS
+    if (bf16_pairs && (xtype != T_BF16 || K % 2 || ldx % 2 || in_scale != NULL)) return 2;
+#else
+    if (bf16_pairs) return 2;
+#endif
 #ifdef VL
     if (panels && (N % PANEL || scales != NULL)) return 2;
 #else
@@ -1421,8 +1551,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    const int pairs = wtype == T_BF16 && xtype == T_BF16 && K % 2 == 0 && ldx % 2 == 0
-                      && in_scale == NULL;
+    const int pairs = (wtype == T_BF16 && xtype == T_BF16 && K % 2 == 0 && ldx % 2 == 0
+                       && in_scale == NULL) || bf16_pairs;
 #else
     const int pairs = 0;
 #endif
@@ -1562,6 +1692,20 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                         p12_decode(w, N, K, p0, &whole, decoded, stream_end);
                         wp = decoded;
                     }
+#endif
+#ifdef BF16_PAIRS
+                    if (bf16_pairs) {
+                        const uint16_t *xb = (const uint16_t *)xs;
+                        if (np == 4) pair_group_1_4(wp, K, xb, acc, M, NULL, 0, 0);
+                        else if (np == 2)
+                            for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                                if (M - m0 >= 2)
+                                    pair_group_2_2(wp, K, xb + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                                else pair_group_1_2(wp, K, xb + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                            }
+                        else pair_rows(wp, K, xb, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL,
+                                       K * PANEL * 2);
+                    } else
 #endif
                     if (panels12 && M == 1) {
 #ifdef P12

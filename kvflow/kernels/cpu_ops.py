@@ -173,6 +173,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gemv_panel_width.restype, lib.gemv_panel_width.argtypes = ctypes.c_int, []
     lib.pack_panels.restype, lib.pack_panels.argtypes = None, [ptr, i64, i64, ptr]
     lib.pack_i8_panels.restype, lib.pack_i8_panels.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
+    lib.pack_pairs.restype, lib.pack_pairs.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.i8_gemm_available.restype, lib.i8_gemm_available.argtypes = ctypes.c_int, []
@@ -359,7 +360,7 @@ KV_BF16 = (torch.float32, torch.bfloat16)
 # cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
 # bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels; int8:
 # pack_i8_panels; 12 bits a weight: pack_panels12).
-GEMV_LAYOUTS = {"amx": 3, "panels": 4, "panels12": 6}
+GEMV_LAYOUTS = {"amx": 3, "panels": 4, "panels12": 6, "pairs": 7}
 I8_PANELS = 5
 
 
@@ -502,7 +503,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
     `scales` [N] float32: W ~ int8 * scale per row), or packed by `pack_amx` (bfloat16,
     layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"),
-    `pack_panels12` (layout="panels12": uint8 [N, ...]); in_scale [K] float32 or None; bias
+    `pack_pairs` (layout="pairs", x bfloat16), `pack_panels12` (layout="panels12": uint8
+    [N, ...]); in_scale [K] float32 or None; bias
     [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
@@ -530,6 +532,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     if code:
         raise RuntimeError(f"gemv: the {layout} layout's path cannot run these operands here")
     return out.view(x.shape[:-1] + (n,))
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [N, K] in the pair panels cpu_gemv.c multiplies with bfloat16 dot
+    products (`gemv(..., layout="pairs")`, x bfloat16), or None where it cannot (a build
+    without AVX512-BF16, not bfloat16, N not a multiple of 32 or K odd). Shape [N, K] kept."""
+    lib = library()
+    n, k = weight.shape
+    if lib is None or weight.dtype != torch.bfloat16:
+        return None
+    weight = weight.contiguous()
+    out = torch.empty_like(weight)
+    return out if lib.pack_pairs(weight.data_ptr(), n, k, out.data_ptr()) == 0 else None
 
 
 def gemv_amx_rows() -> int:

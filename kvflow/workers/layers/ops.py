@@ -67,6 +67,9 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 #   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
 #   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs); with the bfloat16 copy in the
 #   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to GEMV_MAX_ROWS_PANELS;
+# - bfloat16 arithmetic without AMX (AVX512-BF16): the weights in pair panels
+#   (cpu_ops.pack_pairs), faster than oneDNN's bfloat16 GEMM up to GEMV_MAX_ROWS_PANELS rows
+#   (AMD EPYC Zen 5; the 32-request workload's decode steps of 9-32 rows then run fused);
 # - int8 without VNNI: past GEMV_MAX_ROWS every fused linear runs kvflow's W7A8 GEMM
 #   (kernels/cpu_gemm_i8.c), as the model's forward does (workers/fused_decode.py gemv_rows);
 #   with oneDNN's GEMM only, up to 48 rows on the gemv kernel (layers/linear.py
@@ -145,7 +148,9 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
                                 cpu_ops.pack_amx, amx_rows, stream,
                                 cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
-                                cpu_ops.pack_panels12 if use_panels12() else None)
+                                cpu_ops.pack_panels12 if use_panels12() else None,
+                                cpu_ops.pack_pairs,
+                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 else 0)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
