@@ -205,13 +205,15 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
-@pytest.mark.parametrize("flags,rows", [("avx2 fma", 4), ("avx2 fma avx512f avx512_vnni", 4),
-                                        ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4)])
-def test_int8_runs_w8a16_up_to_4_rows_then_a_gemm(monkeypatch: pytest.MonkeyPatch,
-                                                  flags: str, rows: int) -> None:
+@pytest.mark.parametrize("flags,rows", [("avx2 fma", 4), ("avx2 fma avx512f avx512_vnni", 32),
+                                        ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4),
+                                        ("avx512f avx512_vnni amx_int8", 4)])
+def test_int8_runs_w8a16_on_the_gemv_kernel_then_a_gemm(monkeypatch: pytest.MonkeyPatch,
+                                                        flags: str, rows: int) -> None:
     """The engine's int8 layers run products of up to GEMV_MAX_ROWS rows W8A16 on the gemv
-    kernel, larger ones on a GEMM: oneDNN's W8A8 where the CPU has VNNI or AMX-INT8, kvflow's
-    W7A8 (kernels/cpu_gemm_i8.c) where it lacks them (with oneDNN's only, W8A16 would run up
+    kernel (VNNI_GEMV_ROWS with AVX512-VNNI but no AMX-INT8), larger ones on a GEMM:
+    oneDNN's W8A8 where the CPU has VNNI or AMX-INT8, kvflow's W7A8
+    (kernels/cpu_gemm_i8.c) where it lacks them (with oneDNN's only, W8A16 would run up
     to 48 rows); either way the product is the float layer's within int8 rounding. Flags that
     claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's 8-bit GEMM saturates
     its sums without them): the engine must refuse to start, naming why, rather than run
