@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels import cpu_ops
+from kvflow.workers.hardware import cpu_flags
 from kvflow.workers.layers.linear import (Int8Linear, quantize_rows_ref, quantize_weight,
                                           scale_rows_ref)
 
@@ -58,10 +59,15 @@ def test_scale_rows_kernel_matches_reference(kernels: str, dtype: torch.dtype,
 KERNELS = [dict(quantize_rows=cpu_ops.quantize_rows, scale_rows=cpu_ops.scale_rows),
            dict(quantize_rows=quantize_rows_ref, scale_rows=scale_rows_ref),
            dict(quantize_rows=cpu_ops.quantize_rows, scale_rows=cpu_ops.scale_rows,
-                gemm=cpu_ops.i8_gemm, gemm_pack=cpu_ops.i8_gemm_pack, weight_levels=63)]
+                gemm=cpu_ops.i8_gemm, gemm_pack=cpu_ops.i8_gemm_pack, weight_levels=63),
+           dict(quantize_rows=cpu_ops.quantize_rows, scale_rows=cpu_ops.scale_rows,
+                gemm=cpu_ops.i8_gemm, gemm_pack=cpu_ops.i8_gemm_pack,
+                # the widest weights this library's GEMM takes (8 bits with AVX512-VNNI)
+                weight_levels=max(cpu_ops.i8_gemm_weight_levels(), 63),
+                gemm_levels=cpu_ops.i8_gemm_weight_levels())]
 
 
-@pytest.mark.parametrize("kernels", KERNELS, ids=["c", "torch", "c-own-gemm"])
+@pytest.mark.parametrize("kernels", KERNELS, ids=["c", "torch", "c-own-gemm", "c-own-gemm-widest"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # type: ignore[no-untyped-def]
@@ -72,7 +78,9 @@ def test_int8_linear_matches_the_float_linear(kernels, dtype: torch.dtype,  # ty
     bias = torch.randn(960, generator=gen)
     method = Int8Linear(**kernels)
     prepared = method.prepare(w.to(dtype))
-    assert prepared.own_gemm == ("gemm" in kernels and cpu_ops.i8_gemm_available())
+    # kvflow's GEMM where it takes the weights: 7 bits on any build, 8 with AVX512-VNNI
+    assert prepared.own_gemm == ("gemm" in kernels and cpu_ops.i8_gemm_available()
+                                 and method.weight_levels <= cpu_ops.i8_gemm_weight_levels())
     got = method.apply(x.to(dtype), w, prepared, bias.to(dtype))
     assert got.dtype == dtype and got.shape == (num_tokens, 960)
     ref = F.linear(x, w, bias)
@@ -205,26 +213,26 @@ def test_a_cpu_without_vnni_runs_int8_with_7_bit_weights(
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
-@pytest.mark.parametrize("flags,rows", [("avx2 fma", 4), ("avx2 fma avx512f avx512_vnni", 32),
-                                        ("avx2 fma avx_vnni", 4), ("avx512f amx_int8", 4),
-                                        ("avx512f avx512_vnni amx_int8", 4)])
+@pytest.mark.parametrize("flags,own_rows,plain_rows", [
+    ("avx2 fma", 4, 48), ("avx2 fma avx512f avx512_vnni", 8, 32), ("avx2 fma avx_vnni", 4, 4),
+    ("avx512f amx_int8", 4, 4), ("avx512f avx512_vnni amx_int8", 4, 4)])
 def test_int8_runs_w8a16_on_the_gemv_kernel_then_a_gemm(monkeypatch: pytest.MonkeyPatch,
-                                                        flags: str, rows: int) -> None:
+                                                        flags: str, own_rows: int,
+                                                        plain_rows: int) -> None:
     """The engine's int8 layers run products of up to GEMV_MAX_ROWS rows W8A16 on the gemv
-    kernel (VNNI_GEMV_ROWS with AVX512-VNNI but no AMX-INT8), larger ones on a GEMM:
-    oneDNN's W8A8 where the CPU has VNNI or AMX-INT8, kvflow's W7A8
-    (kernels/cpu_gemm_i8.c) where it lacks them (with oneDNN's only, W8A16 would run up
-    to 48 rows); either way the product is the float layer's within int8 rounding. Flags that
-    claim a VNNI or AMX-INT8 this CPU lacks cannot be honoured (oneDNN's 8-bit GEMM saturates
-    its sums without them): the engine must refuse to start, naming why, rather than run
-    wrong."""
+    kernel, larger ones on a GEMM: kvflow's (kernels/cpu_gemm_i8.c) where the CPU lacks
+    AMX-INT8 and the library's kernel takes its weights (W7A8 without VNNI; W8A8 where the
+    library was built with AVX512-VNNI, the gemv kernel then up to 8 rows), else oneDNN's
+    W8A8 (up to 32 rows on the gemv kernel with AVX512-VNNI, 48 without VNNI); either way
+    the product is the float layer's within int8 rounding. Flags that claim a VNNI or
+    AMX-INT8 this CPU lacks cannot be honoured (oneDNN's 8-bit GEMM saturates its sums
+    without them): the engine must refuse to start, naming why, rather than run wrong."""
     from kvflow.workers.hardware import cpu_flags
     from kvflow.workers.layers.linear import int8_gemv_rows
     from kvflow.workers.layers.ops import GEMV_MAX_ROWS, choose_ops
     without_vnni = flags == "avx2 fma"
-    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, True) == rows
-    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, False) == (
-        48 if without_vnni else rows)
+    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, True) == own_rows
+    assert int8_gemv_rows(frozenset(flags.split()), GEMV_MAX_ROWS, False) == plain_rows
     wide = {"avx512_vnni", "avx_vnni", "amx_int8"}
     claims_more = bool(set(flags.split()) & wide) and not cpu_flags() & wide
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
@@ -233,12 +241,15 @@ def test_int8_runs_w8a16_on_the_gemv_kernel_then_a_gemm(monkeypatch: pytest.Monk
                                              "wrong results on this CPU"):
             choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8")
         return
+    # kvflow's GEMM: 7-bit weights on any build with it, 8-bit ones where it has VNNI
+    own = cpu_ops.i8_gemm_available() and "amx_int8" not in flags and (
+        without_vnni or cpu_ops.i8_gemm_weight_levels() == 127)
+    rows = own_rows if own else plain_rows
     method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False, "int8").linear
     assert isinstance(method, Int8Linear) and method.max_rows == rows
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 576, generator=gen)
     prepared = method.prepare(w)
-    own = without_vnni and cpu_ops.i8_gemm_available()
     assert prepared.own_gemm == own
     assert ("W7A8" in method.name) == without_vnni
     calls: dict[str, list[int]] = {"gemv": [], "gemm": []}
@@ -261,35 +272,44 @@ def test_int8_runs_w8a16_on_the_gemv_kernel_then_a_gemm(monkeypatch: pytest.Monk
 def test_kvflows_int8_gemm_is_the_exact_integer_product(kernels: str, with_bias: bool,
                                                        dtype: torch.dtype) -> None:
     """kernels/cpu_gemm_i8.c against the exact product of the same quantized operands (int64
-    sums), on every ISA build, at shapes that leave partial tiles (rows not a multiple of 4,
-    outputs not of 16, inputs not of 4: one row, seven, 69) and at the default model's; the
-    worst case of its 16-bit pair sums (every activation 255, every weight +-63) too."""
+    sums), on every ISA build (AVX2: 7-bit weights, 4 x 16 tiles; AVX512-VNNI: 8-bit weights,
+    8 x 32 tiles), at shapes that leave partial tiles (rows not a multiple of 4 or 8,
+    outputs not of 16 or 32, inputs not of 4: one row, seven, 17, 69) and at the default
+    model's; the worst case of its sums (every activation 255, every weight at +-the
+    build's limit) too."""
     if not cpu_ops.i8_gemm_available():
         pytest.skip("this build has no kvflow int8 GEMM (no AVX2)")
+    levels = cpu_ops.i8_gemm_weight_levels()
+    vnni = kernels in ("native", "avx512") and "avx512_vnni" in cpu_flags()
+    assert levels == (127 if vnni else 63)
     gen = torch.Generator().manual_seed(3)
-    cases = [(1, 1, 1), (9, 17, 3), (1, 17, 13), (7, 40, 64), (69, 33, 577), (130, 96, 576),
-             (5, 576, 1536)]
+    cases = [(1, 1, 1), (9, 17, 3), (1, 17, 13), (7, 40, 64), (8, 64, 8), (17, 48, 100),
+             (69, 33, 577), (130, 96, 576), (5, 576, 1536)]
     for m, n, k in cases:
         w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen) * 3
-        q, w_scales = quantize_weight(w, 63)
+        q, w_scales = quantize_weight(w, levels)
         qx, x_scales = cpu_ops.quantize_rows(x)
-        if m == 7:                                           # the saturation worst case
+        if m in (7, 17):                                     # the worst case of the sums
             qx.fill_(255)
-            q = torch.where(torch.rand(n, k, generator=gen) < 0.5, 63, -63).to(torch.int8)
+            q = torch.where(torch.rand(n, k, generator=gen) < 0.5, levels, -levels).to(torch.int8)
         bias = torch.randn(n, generator=gen) if with_bias else None
         packed = cpu_ops.i8_gemm_pack(q, w_scales)
         assert packed is not None
         got = cpu_ops.i8_gemm(qx, x_scales, packed, bias, dtype)
-        sums = ((qx.long() - 128) @ q.long().t()).float()   # exact: |sums| < 2^24
-        exact = sums * w_scales * x_scales[:, None] + (0 if bias is None else bias)
+        sums = ((qx.long() - 128) @ q.long().t()).double()  # exact
+        exact = sums * w_scales.double() * x_scales[:, None].double()
+        exact = exact + (0 if bias is None else bias.double())
         assert got.dtype == dtype and got.shape == (m, n)
         tol = 1e-6 if dtype == torch.float32 else 2 ** -8
-        torch.testing.assert_close(got.float(), exact.to(dtype).float(), rtol=tol,
+        torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=tol,
                                    atol=tol * float(exact.abs().max()))
-    # 8-bit weights could saturate the pair sums: not packed for this kernel.
-    for value in (100, -128, -64):
+    # Weights past the build's limit (8-bit ones could saturate AVX2's pair sums), and -128
+    # (whose absolute value int8 cannot hold): not packed.
+    for value in ((100, -64) if levels == 63 else ()) + (-128,):
         assert cpu_ops.i8_gemm_pack(torch.full((4, 8), value, dtype=torch.int8),
                                     torch.ones(4)) is None
+    assert cpu_ops.i8_gemm_pack(torch.full((4, 8), levels, dtype=torch.int8),
+                                torch.ones(4)) is not None
 
 
 def test_int8_gemv_rows_are_held_in_panels_where_the_shape_allows(kernels: str) -> None:

@@ -177,6 +177,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.i8_gemm_available.restype, lib.i8_gemm_available.argtypes = ctypes.c_int, []
+    lib.i8_gemm_weight_levels.restype, lib.i8_gemm_weight_levels.argtypes = ctypes.c_int, []
     lib.i8_gemm_packed_bytes.restype, lib.i8_gemm_packed_bytes.argtypes = i64, [i64, i64]
     lib.i8_gemm_pack.restype, lib.i8_gemm_pack.argtypes = ctypes.c_int, [ptr, i64, i64, ptr, ptr]
     lib.i8_gemm.restype = ctypes.c_int
@@ -457,12 +458,21 @@ def i8_gemm_available() -> bool:
     return lib is not None and bool(lib.i8_gemm_available())
 
 
-def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
-    """int8 weights [n, k] with |q| <= 63 and their row scales, packed for `i8_gemm`; None
-    where this build has no such kernel (no AVX2) or the weights do not fit it (8-bit)."""
+def i8_gemm_weight_levels() -> int:
+    """The weight range `i8_gemm` takes, |q| <= this: 127 on builds with AVX512-VNNI, 63 on
+    AVX2 (7-bit: its 16-bit pair sums), 0 without the kernel."""
     lib = library()
+    return 0 if lib is None else int(lib.i8_gemm_weight_levels())
+
+
+def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
+    """int8 weights [n, k] with |q| <= i8_gemm_weight_levels() and their row scales, packed
+    for `i8_gemm`; None where this build has no such kernel (no AVX2) or the weights do not
+    fit it (8-bit weights on AVX2, -128 anywhere)."""
+    lib = library()
+    levels = i8_gemm_weight_levels()
     if (lib is None or q.dtype != torch.int8 or q.dim() != 2 or q.numel() == 0
-            or int(q.min()) < -63 or int(q.max()) > 63):     # (int8's abs(-128) is -128)
+            or int(q.min()) < -levels or int(q.max()) > levels):  # (abs(-128) is -128)
         return None
     n, k = q.shape
     q = q.contiguous()

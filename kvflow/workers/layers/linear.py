@@ -242,6 +242,7 @@ def gemm_weight_levels(flags: frozenset[str]) -> int:
 
 
 VNNI_GEMV_ROWS = 32
+VNNI_OWN_GEMM_ROWS = 8
 
 
 def int8_gemv_rows(flags: frozenset[str], rows: int, own_gemm: bool = False) -> int:
@@ -258,13 +259,18 @@ def int8_gemv_rows(flags: frozenset[str], rows: int, own_gemm: bool = False) -> 
     the 32-request workload in one process, decode steps of 5-8 / 9-16 tokens, two pairs):
     17.6/14.7 and 39.0/30.8 ms a step with the GEMM past 4 rows, 19.0/16.6 and 43.9/43.4
     with it past 16.
-    With AVX512-VNNI but no AMX-INT8 (AMD EPYC Zen 4/5, Intel Cascade Lake to Ice Lake): up
-    to VNNI_GEMV_ROWS, so that decode steps of up to 32 tokens run fused, W8A16, where past
-    4 rows they ran unfused on oneDNN's W8A8 (AMD EPYC Zen 5, 2 threads, the 32-request
-    workload in one process: 639 -> 731 output tok/s; steps of 9-16 / 17-24 / 25-32 tokens
-    19.3 / 23.4 / 25.5 -> 12.5 / 17.8 / 22.7 ms). AVX-VNNI alone (AVX2 CPUs) keeps 4: not
-    measured there."""
-    if "avx512_vnni" in flags and "amx_int8" not in flags:
+    With AVX512-VNNI but no AMX-INT8 (AMD EPYC Zen 4/5, Intel Cascade Lake to Ice Lake),
+    kvflow's GEMM runs 8-bit weights (VNNI_OWN_GEMM_ROWS: up to 8 rows the gemv kernel was
+    as fast, and W8A16 keeps more of float's tokens; AMD EPYC Zen 5, the 32-request workload
+    in one process, steps of 1-8 tokens 5.1-5.2 -> 4.8 ms a step, 2 alternating runs each).
+    Without it there (kernels built without AVX512-VNNI): up to VNNI_GEMV_ROWS, so that decode
+    steps of up to 32 tokens run fused, W8A16, where past 4 rows they ran unfused on
+    oneDNN's W8A8 (Zen 5, same workload: 639 -> 731 output tok/s). AVX-VNNI alone (AVX2
+    CPUs) counts as no VNNI here: not measured there."""
+    vnni = "avx512_vnni" in flags and "amx_int8" not in flags
+    if own_gemm:
+        return max(rows, VNNI_OWN_GEMM_ROWS) if vnni else rows
+    if vnni:
         return max(rows, VNNI_GEMV_ROWS)
     wide = gemm_weight_levels(flags) == 127
     return rows if wide or own_gemm else max(rows, 48)
@@ -318,7 +324,8 @@ class Int8Linear(LinearMethod):
       the model dtype). Where the CPU lacks VNNI and AMX-INT8 the GEMM's weights are 7-bit
       (`gemm_weight_levels`: W7A8), and `gemm` (with `gemm_pack`: kernels/cpu_gemm_i8.c, the
       same integer sums, scaled in the same order) takes oneDNN's place: 1.1-1.3x its speed
-      at prefill shapes, ~2x at 32 rows.
+      at prefill shapes, ~2x at 32 rows. With AVX512-VNNI but no AMX-INT8 it does too, with
+      8-bit weights (`gemm_levels`): 1.1x oneDNN's speed at prefill shapes, 1.3x at 32 rows.
     Same results as the float layer within int8 rounding (tests/test_int8.py). Until
     `finish_loading` it multiplies by the float weight (the SmoothQuant calibration pass runs
     then)."""
@@ -333,15 +340,16 @@ class Int8Linear(LinearMethod):
                  weight_levels: int | None = None,
                  pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  gemm: Callable[..., torch.Tensor] | None = None,
-                 gemm_pack: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
-                 ) -> None:
+                 gemm_pack: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+                 gemm_levels: int = 63) -> None:
         self.quantize_rows = quantize_rows
         self.pack_panels = pack_panels
         self.scale_rows = scale_rows
         self.weight_levels = (gemm_weight_levels(cpu_flags()) if weight_levels is None
                               else weight_levels)
-        # kvflow's GEMM multiplies 7-bit weights only (8-bit ones saturate its 16-bit sums).
-        self.gemm, self.gemm_pack = ((gemm, gemm_pack) if self.weight_levels == 63
+        # kvflow's GEMM takes weights up to gemm_levels (cpu_ops.i8_gemm_weight_levels: 7 bits
+        # on AVX2, whose 16-bit pair sums 8-bit ones saturate; 8 with AVX512-VNNI).
+        self.gemm, self.gemm_pack = ((gemm, gemm_pack) if self.weight_levels <= gemm_levels
                                      else (None, None))
         self.gemv = gemv
         self.max_rows = max_rows if gemv is not None else 0

@@ -26,7 +26,7 @@ import torch
 from kvflow.workers.layers.activation import silu_and_mul
 from kvflow.workers.hardware import cpu_flags
 from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, OneDnnLinear,
-                                         int8_gemv_rows)
+                                         gemm_weight_levels, int8_gemv_rows)
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.logits_processors import Penalize
@@ -131,14 +131,17 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
         why = Int8Linear.works()
         if why is not None:
             raise ValueError(f"quantization='int8' cannot run: {why}")
-        linear: LinearMethod = (Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,
-                                           cpu_ops.gemv,
-                                           int8_gemv_rows(cpu_flags(), GEMV_MAX_ROWS,
-                                                          cpu_ops.i8_gemm_available()),
-                                           pack_panels=cpu_ops.pack_i8_panels,
-                                           gemm=cpu_ops.i8_gemm,
-                                           gemm_pack=cpu_ops.i8_gemm_pack)
-                                if c_kernels else Int8Linear())
+        linear: LinearMethod = Int8Linear()          # plain torch ops: oneDNN's GEMM only
+        if c_kernels:
+            flags = cpu_flags()
+            # kvflow's int8 GEMM where the CPU has no AMX-INT8 (oneDNN's tiles are faster)
+            # and the build's kernel takes this CPU's weights (8 bits need AVX512-VNNI)
+            levels = 0 if "amx_int8" in flags else cpu_ops.i8_gemm_weight_levels()
+            own = cpu_ops.i8_gemm_available() and gemm_weight_levels(flags) <= levels
+            linear = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows, cpu_ops.gemv,
+                                int8_gemv_rows(flags, GEMV_MAX_ROWS, own),
+                                pack_panels=cpu_ops.pack_i8_panels, gemm=cpu_ops.i8_gemm,
+                                gemm_pack=cpu_ops.i8_gemm_pack, gemm_levels=levels)
     else:
         linear = OneDnnLinear() if OneDnnLinear.works(dtype) else LinearMethod()
         if c_kernels:
