@@ -77,9 +77,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="int8: int8 linear weights on CPU (per output channel): "
                              "products of up to 4 rows (one user's decode steps; 8 on "
                              "AVX512-VNNI without AMX) weight-only, larger ones (prefills, "
-                             "batches) W8A8 through kvflow's int8 GEMM (oneDNN's on CPUs "
-                             "with AMX), on x86 without VNNI W7A8 (7-bit weights); "
-                             "default: none")
+                             "batches) W8A8 through kvflow's int8 GEMM where the CPU has "
+                             "AVX512-VNNI but no AMX, else oneDNN's; on x86 without VNNI "
+                             "W7A8 (7-bit weights) through kvflow's; default: none")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA: no CUDA graphs for decode, no torch.compile; on "
                              "CPU: decode steps run the model's forward, not one C call")

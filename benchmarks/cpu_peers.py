@@ -124,15 +124,15 @@ def _timed(fn: Any) -> float:
 
 def matmul_gflops(kind: str, m: int = 256, k: int = 576, n: int = 1536) -> float:
     """GFLOP/s of an [m, k] x [k, n] matmul in `kind`, as the engines run them (oneDNN packed
-    weights for float32/bfloat16; for int8 oneDNN's u8 x s8 GEMM, or on CPUs without VNNI
-    kvflow's own W7A8 GEMM, kernels/cpu_gemm_i8.c, as layers/ops.py chooses)."""
+    weights for float32/bfloat16; for int8 the GEMM layers/ops.py chooses: kvflow's own,
+    kernels/cpu_gemm_i8.c, W8A8 with AVX512-VNNI or W7A8 without VNNI, else oneDNN's u8 x s8
+    GEMM)."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
     if kind == "int8":
-        from kvflow.kernels import cpu_ops
-        from kvflow.workers.layers.linear import Int8Linear
-        method = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows,      # as kvflow runs it
-                            gemm=cpu_ops.i8_gemm, gemm_pack=cpu_ops.i8_gemm_pack)
+        from kvflow.workers.layers.ops import choose_ops
+        method = choose_ops(torch.device("cpu"), "cpu", torch.float32, False,   # as kvflow
+                            "int8").linear                                      # runs it
         prepared = method.prepare(w)
         fn = lambda: method.apply(x, w, prepared)                       # noqa: E731
     else:

@@ -16,8 +16,9 @@
  * Activations are in the model dtype (float32 or bfloat16) and rounded where the torch path
  * rounds them. Linear weights are the model dtype's, or int8 with a float32 scale per output
  * row (W8A16: x rounded per row to 15-bit integers, cpu_gemv.c), row-major or packed; on
- * CPUs without VNNI, steps of more tokens than the gemv kernel takes multiply 7-bit weights
- * by x quantized per row to 8 bits (W7A8, cpu_gemm_i8.c), as the model's Int8Linear does.
+ * CPUs without AMX-INT8, steps of more tokens than the gemv kernel takes multiply the
+ * weights (7-bit without VNNI, 8-bit with AVX512-VNNI) by x quantized per row to 8 bits
+ * (W7A8 / W8A8, cpu_gemm_i8.c), as the model's Int8Linear does.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -75,11 +76,12 @@ typedef struct {
     const float *scales;          /* int8 only, else NULL */
     const float *in_scale;        /* int8 with SmoothQuant: x is multiplied by it; or NULL */
     const float *bias;            /* float32, or NULL */
-    int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3, 4, 5) */
+    int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3 to 7) */
     int64_t n, k;
     const void *one_row;          /* w in 12-bit panels (cpu_gemv.c, type 6) for one row, or NULL */
-    /* int8 without VNNI: the smoothed 7-bit weights packed for i8_gemm (or NULL), their
-     * compensation and scales (padded to 16; bias too), used past gemv_rows tokens. */
+    /* int8 on kvflow's GEMM (no AMX-INT8): the smoothed weights packed for i8_gemm (or
+     * NULL), their compensation and scales (padded to 16; bias too), used past gemv_rows
+     * tokens. */
     const int8_t *gemm;
     const int32_t *gemm_comp;
     const float *gemm_scales;

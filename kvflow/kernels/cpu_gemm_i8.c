@@ -44,7 +44,8 @@ int i8_gemm_available(void) {
 /* The weight range this build's kernel takes, |w| <= this: 127 with AVX512-VNNI (vpdpbusd adds
  * four u8 x s8 products into 32 bits, nothing saturates), else 63 (AVX2, above); 0 without. */
 int i8_gemm_weight_levels(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VNNI__)
     return 127;
 #elif defined(__AVX2__)
     return 63;
@@ -208,7 +209,8 @@ static inline __attribute__((always_inline)) void i8g_tile(
  * load is a panel's group of 4 inputs (16 outputs x 4); a tile is I8G_MR512 rows by two
  * panels (32 outputs), 2 I8G_MR512 sums in registers, each step 2 weight loads and a 4-byte
  * broadcast a row. The same packed layout, comp and scaling as the AVX2 tile above. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VNNI__)
 #define I8G_VNNI 1
 #define I8G_MR512 8
 

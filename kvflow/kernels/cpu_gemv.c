@@ -793,6 +793,15 @@ static void pair_rows(const uint16_t *p, int64_t K, const uint16_t *x, int64_t M
 }
 #endif
 
+/* 1 where this build has the pair panels (AVX512-BF16), else 0. */
+int gemv_pairs_available(void) {
+#ifdef BF16_PAIRS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* W [N, K] bfloat16 row-major into pair panels (above). Returns 0, or 2 where this build has
  * no such path or N % PANEL or K % 2 is not 0. */
 int pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
@@ -1521,7 +1530,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     const int panels = wtype == T_BF16_PANELS || panels12 || bf16_pairs;
     const int i8_panels = wtype == T_I8_PANELS;
 #ifdef BF16_PAIRS
-    if (bf16_pairs && (xtype != T_BF16 || K % 2 || ldx % 2 || in_scale != NULL)) return 2;
+    if (bf16_pairs && (xtype != T_BF16 || K % 2 || in_scale != NULL)) return 2;
 #else
     if (bf16_pairs) return 2;
 #endif

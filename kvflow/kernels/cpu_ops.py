@@ -1,7 +1,7 @@
 """CPU kernels in C (cpu_ops.c), loaded with ctypes: paged attention (decodes and prefills),
 the KV store, RMSNorm (alone or after the residual add), SiLU-and-mul, rotary, the sampler's row argmax and the int8 linears'
 per-token quantization and output scaling; the decode-shaped linears (cpu_gemv.c), a decode
-step's layers in one call (cpu_decode.c) and the int8 GEMM of CPUs without VNNI
+step's layers in one call (cpu_decode.c) and the int8 GEMM of CPUs without AMX-INT8
 (cpu_gemm_i8.c, `i8_gemm`). Each has a torch reference it is tested against
 (the torch attention backend and store; layers/norm.py, layers/activation.py,
 layers/rotary.py; torch.argmax; layers/linear.py's quantize_rows_ref and scale_rows_ref).
@@ -174,6 +174,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pack_panels.restype, lib.pack_panels.argtypes = None, [ptr, i64, i64, ptr]
     lib.pack_i8_panels.restype, lib.pack_i8_panels.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.pack_pairs.restype, lib.pack_pairs.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
+    lib.gemv_pairs_available.restype, lib.gemv_pairs_available.argtypes = ctypes.c_int, []
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.i8_gemm_available.restype, lib.i8_gemm_available.argtypes = ctypes.c_int, []
@@ -360,7 +361,7 @@ KV_BF16 = (torch.float32, torch.bfloat16)
 
 # cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
 # bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels; int8:
-# pack_i8_panels; 12 bits a weight: pack_panels12).
+# pack_i8_panels; 12 bits a weight: pack_panels12), or in pair panels (pack_pairs).
 GEMV_LAYOUTS = {"amx": 3, "panels": 4, "panels12": 6, "pairs": 7}
 I8_PANELS = 5
 
@@ -439,7 +440,8 @@ def pack_i8_panels(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class I8Gemm(NamedTuple):
-    """7-bit int8 weights packed for `i8_gemm` (cpu_gemm_i8.c), from [n, k]."""
+    """int8 weights (7-bit on AVX2, 8-bit with AVX512-VNNI) packed for `i8_gemm`
+    (cpu_gemm_i8.c), from [n, k]."""
     packed: torch.Tensor          # int8, the kernel's panels
     comp: torch.Tensor            # int32 [n padded to 16]: 128 x each row's sum
     scales: torch.Tensor          # float32 [n padded to 16]: W ~ q * scale per row
@@ -485,7 +487,7 @@ def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
 
 def i8_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: I8Gemm,
             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Int8Linear's W7A8 product on CPUs without VNNI (cpu_gemm_i8.c): q [rows, k] uint8 with
+    """Int8Linear's W7A8 (AVX2) or W8A8 (AVX512-VNNI) product (cpu_gemm_i8.c): q [rows, k] uint8 with
     zero point 128 and x_scales [rows] (`quantize_rows`) times `weight`, plus the bias
     (float32 [n] or None), in `dtype`: the exact integer sums, scaled as `scale_rows` scales
     oneDNN's output."""
@@ -548,13 +550,21 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 weight [N, K] in the pair panels cpu_gemv.c multiplies with bfloat16 dot
     products (`gemv(..., layout="pairs")`, x bfloat16), or None where it cannot (a build
     without AVX512-BF16, not bfloat16, N not a multiple of 32 or K odd). Shape [N, K] kept."""
-    lib = library()
-    n, k = weight.shape
-    if lib is None or weight.dtype != torch.bfloat16:
+    if not pairs_available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
+    n, k = weight.shape
+    if n % 32 or k % 2:
+        return None
+    lib = library()
     weight = weight.contiguous()
     out = torch.empty_like(weight)
     return out if lib.pack_pairs(weight.data_ptr(), n, k, out.data_ptr()) == 0 else None
+
+
+def pairs_available() -> bool:
+    """Whether this build has the bfloat16 pair panels (`pack_pairs`: AVX512-BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.gemv_pairs_available())
 
 
 def gemv_amx_rows() -> int:

@@ -117,10 +117,10 @@ class FusedDecode:
     @staticmethod
     def gemv_rows(model: LlamaForCausalLM) -> int:
         """Up to how many rows every fused linear runs as the model's own forward runs it:
-        on the gemv kernel (LinearMethod.gemv_rows: 32 where the kernel is the faster up to
-        there, AMX tiles or bfloat16 weights under float32, else a few), or any number where
-        past that the linear runs kvflow's int8 GEMM (int8 without VNNI), which this path
-        calls too."""
+        on the gemv kernel (LinearMethod.gemv_rows: 32 or more where the kernel is the faster
+        up to there: AMX tiles, pair panels, bfloat16 weights under float32; else a few), or
+        any number where past that the linear runs kvflow's int8 GEMM (int8 without AMX-INT8
+        where the library's GEMM takes the weights), which this path calls too."""
         return min(1 << 30 if _own_gemm(m.prepared) else m.method.gemv_rows(m.prepared)
                    for layer in cast(list[LlamaDecoderLayer], list(model.model.layers))
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

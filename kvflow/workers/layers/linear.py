@@ -247,9 +247,11 @@ VNNI_OWN_GEMM_ROWS = 8
 
 def int8_gemv_rows(flags: frozenset[str], rows: int, own_gemm: bool = False) -> int:
     """Up to how many rows int8 products run W8A16 on the gemv kernel: `rows` (the float
-    layers' limit) where the CPU has VNNI or AMX-INT8, whose u8 x s8 GEMM is the faster from
-    there on, or where kvflow's own W7A8 GEMM runs (`own_gemm`: kernels/cpu_gemm_i8.c, CPUs
-    without VNNI); 48 where only oneDNN's W7A8 GEMM would run without VNNI.
+    layers' limit) where the CPU has AMX-INT8 or AVX-VNNI only, whose oneDNN u8 x s8 GEMM is
+    the faster from there on, or where kvflow's own W7A8 GEMM runs (`own_gemm`:
+    kernels/cpu_gemm_i8.c, CPUs without VNNI); 8 where kvflow's GEMM runs W8A8 with
+    AVX512-VNNI, 32 where only oneDNN's would there (below); 48 where only oneDNN's W7A8
+    GEMM would run without VNNI.
     Measured (all of a decode step's linears, 2 threads), the gemv kernel against oneDNN: as
     an AVX2 CPU, with the kernel before its integer sums, 0.37x oneDNN's W7A8 GEMM's time at
     8 rows, 0.56x at 16, 0.89x at 32 and 1.4x at 64; with the integer sums and VNNI, against
@@ -273,7 +275,7 @@ def int8_gemv_rows(flags: frozenset[str], rows: int, own_gemm: bool = False) -> 
     if vnni:
         return max(rows, VNNI_GEMV_ROWS)
     wide = gemm_weight_levels(flags) == 127
-    return rows if wide or own_gemm else max(rows, 48)
+    return rows if wide else max(rows, 48)
 
 
 def scale_rows_ref(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -296,7 +298,7 @@ def quantize_weight(weight: torch.Tensor, levels: int = 127
 
 class Int8Weight(NamedTuple):
     # The GEMM's weights (smoothed): int8 in oneDNN's layout (qlinear_prepack), or where
-    # `own_gemm`, 7-bit ones packed for Int8Linear's `gemm` (cpu_ops.I8Gemm).
+    # `own_gemm`, packed for Int8Linear's `gemm` (cpu_ops.I8Gemm; 7-bit without VNNI).
     packed: Any
     scales: torch.Tensor            # float32 [out_features]
     zero_points: torch.Tensor       # int64 zeros [out_features] (symmetric)
@@ -313,8 +315,8 @@ class Int8Weight(NamedTuple):
 
 class Int8Linear(LinearMethod):
     """int8 weights per output channel on CPU, two ways:
-    - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel; 48 on CPUs
-      without VNNI where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per
+    - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel: 4, 8 with
+      AVX512-VNNI but no AMX, more where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per
       row to 15-bit integers (2^-15 of its largest value) and multiplied with the int8 rows
       in exact integer sums (kernels/cpu_gemv.c), at the memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits

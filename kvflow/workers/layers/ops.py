@@ -25,8 +25,9 @@ import torch
 
 from kvflow.workers.layers.activation import silu_and_mul
 from kvflow.workers.hardware import cpu_flags
+from kvflow.workers.layers import linear as linear_layers
 from kvflow.workers.layers.linear import (GemvLinear, Int8Linear, LinearMethod, OneDnnLinear,
-                                         gemm_weight_levels, int8_gemv_rows)
+                                         int8_gemv_rows)
 from kvflow.workers.layers.norm import add_rms_norm, rms_norm
 from kvflow.workers.layers.rotary import apply_rotary
 from kvflow.workers.logits_processors import Penalize
@@ -70,6 +71,8 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 # - bfloat16 arithmetic without AMX (AVX512-BF16): the weights in pair panels
 #   (cpu_ops.pack_pairs), faster than oneDNN's bfloat16 GEMM up to GEMV_MAX_ROWS_PANELS rows
 #   (AMD EPYC Zen 5; the 32-request workload's decode steps of 9-32 rows then run fused);
+# - int8 with AVX512-VNNI but no AMX: past 8 rows (layers/linear.py int8_gemv_rows) every
+#   fused linear runs kvflow's W8A8 GEMM (kernels/cpu_gemm_i8.c), as the model's forward does;
 # - int8 without VNNI: past GEMV_MAX_ROWS every fused linear runs kvflow's W7A8 GEMM
 #   (kernels/cpu_gemm_i8.c), as the model's forward does (workers/fused_decode.py gemv_rows);
 #   with oneDNN's GEMM only, up to 48 rows on the gemv kernel (layers/linear.py
@@ -137,7 +140,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             # kvflow's int8 GEMM where the CPU has no AMX-INT8 (oneDNN's tiles are faster)
             # and the build's kernel takes this CPU's weights (8 bits need AVX512-VNNI)
             levels = 0 if "amx_int8" in flags else cpu_ops.i8_gemm_weight_levels()
-            own = cpu_ops.i8_gemm_available() and gemm_weight_levels(flags) <= levels
+            own = (cpu_ops.i8_gemm_available()       # (through the module: benchmarks patch it)
+                   and linear_layers.gemm_weight_levels(flags) <= levels)
             linear = Int8Linear(cpu_ops.quantize_rows, cpu_ops.scale_rows, cpu_ops.gemv,
                                 int8_gemv_rows(flags, GEMV_MAX_ROWS, own),
                                 pack_panels=cpu_ops.pack_i8_panels, gemm=cpu_ops.i8_gemm,
@@ -153,7 +157,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
                                 cpu_ops.pack_panels12 if use_panels12() else None,
                                 cpu_ops.pack_pairs,
-                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 else 0)
+                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and not amx_rows
+                                and cpu_ops.pairs_available() else 0)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
