@@ -793,6 +793,23 @@ static void pair_rows(const uint16_t *p, int64_t K, const uint16_t *x, int64_t M
 }
 #endif
 
+#ifdef VL
+/* W [N, K] row-major into panels of PANEL outputs by input pairs, [N / PANEL][K / 2][PANEL][2]
+ * (N % PANEL == 0, K even): the int8 panels' layout and the bfloat16 pair panels'. */
+#define DEFINE_PACK_BY_PAIRS(NAME, T)                                                         \
+static __attribute__((unused)) void NAME(const T *w, int64_t N, int64_t K, T *out) {         \
+    for (int64_t p = 0; p < N / PANEL; p++)                                                   \
+        for (int64_t k = 0; k < K; k += 2)                                                    \
+            for (int64_t j = 0; j < PANEL; j++) {                                             \
+                T *o = out + (p * K + k) * PANEL + 2 * j;                                     \
+                o[0] = w[(p * PANEL + j) * K + k];                                            \
+                o[1] = w[(p * PANEL + j) * K + k + 1];                                        \
+            }                                                                                 \
+}
+DEFINE_PACK_BY_PAIRS(pack_by_pairs_u16, uint16_t)
+DEFINE_PACK_BY_PAIRS(pack_by_pairs_i8, int8_t)
+#endif
+
 /* 1 where this build has the pair panels (AVX512-BF16), else 0. */
 int gemv_pairs_available(void) {
 #ifdef BF16_PAIRS
@@ -807,13 +824,7 @@ int gemv_pairs_available(void) {
 int pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
 #ifdef BF16_PAIRS
     if (N % PANEL || K % 2) return 2;
-    for (int64_t p = 0; p < N / PANEL; p++)
-        for (int64_t k = 0; k < K; k += 2)
-            for (int64_t j = 0; j < PANEL; j++) {
-                uint16_t *o = out + (p * K + k) * PANEL + 2 * j;
-                o[0] = w[(p * PANEL + j) * K + k];
-                o[1] = w[(p * PANEL + j) * K + k + 1];
-            }
+    pack_by_pairs_u16(w, N, K, out);
     return 0;
 #else
     (void)w, (void)N, (void)K, (void)out;
@@ -1397,13 +1408,7 @@ static void i8_panel_rows(const int8_t *p, int64_t K, const int16_t *xq, int64_t
 int pack_i8_panels(const int8_t *w, int64_t N, int64_t K, int8_t *out) {
 #ifdef I8_PANELS
     if (N % PANEL || K % 2) return 2;
-    for (int64_t p = 0; p < N / PANEL; p++)
-        for (int64_t k = 0; k < K; k += 2)
-            for (int64_t j = 0; j < PANEL; j++) {
-                int8_t *o = out + (p * K + k) * PANEL + 2 * j;
-                o[0] = w[(p * PANEL + j) * K + k];
-                o[1] = w[(p * PANEL + j) * K + k + 1];
-            }
+    pack_by_pairs_i8(w, N, K, out);
     return 0;
 #else
     (void)w, (void)N, (void)K, (void)out;
