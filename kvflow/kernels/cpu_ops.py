@@ -556,6 +556,7 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     if n % 32 or k % 2:
         return None
     lib = library()
+    assert lib is not None                       # pairs_available() loaded it
     weight = weight.contiguous()
     out = torch.empty_like(weight)
     return out if lib.pack_pairs(weight.data_ptr(), n, k, out.data_ptr()) == 0 else None
