@@ -90,8 +90,9 @@ def test_tensor_parallel_2_fused_equals_unfused(default_model: str, tmp_path: st
 
 def test_int8_fused_equals_unfused(default_model: str) -> None:
     """int8 as this CPU runs it: decode steps of at most four rows (eight with AVX512-VNNI
-    but no AMX) are W8A16 on the gemv kernel in both paths (layers/linear.py Int8Linear), so fused and unfused (the same
-    engine with its fused path taken away) give the same tokens, batched and alone."""
+    but no AMX) are W8A16 on the gemv kernel in both paths (layers/linear.py Int8Linear),
+    so fused and unfused (the same engine with its fused path taken away) give the same
+    tokens, batched and alone."""
     from kvflow.workers.layers.linear import Int8Linear
     if Int8Linear.works() is not None:
         pytest.skip(f"int8 does not run here: {Int8Linear.works()}")

@@ -1713,9 +1713,10 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                         if (np == 4) pair_group_1_4(wp, K, xb, acc, M, NULL, 0, 0);
                         else if (np == 2)
                             for (int64_t m0 = 0; m0 < M; m0 += 2) {
-                                if (M - m0 >= 2)
-                                    pair_group_2_2(wp, K, xb + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
-                                else pair_group_1_2(wp, K, xb + m0 * K, acc + m0 * PANEL, M, NULL, 0, 0);
+                                const uint16_t *xm = xb + m0 * K;
+                                float *am = acc + m0 * PANEL;
+                                if (M - m0 >= 2) pair_group_2_2(wp, K, xm, am, M, NULL, 0, 0);
+                                else pair_group_1_2(wp, K, xm, am, M, NULL, 0, 0);
                             }
                         else pair_rows(wp, K, xb, M, acc, p0 + 1 < end ? wp + K * PANEL : NULL,
                                        K * PANEL * 2);

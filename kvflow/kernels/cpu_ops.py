@@ -487,8 +487,8 @@ def i8_gemm_pack(q: torch.Tensor, scales: torch.Tensor) -> I8Gemm | None:
 
 def i8_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: I8Gemm,
             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Int8Linear's W7A8 (AVX2) or W8A8 (AVX512-VNNI) product (cpu_gemm_i8.c): q [rows, k] uint8 with
-    zero point 128 and x_scales [rows] (`quantize_rows`) times `weight`, plus the bias
+    """Int8Linear's W7A8 (AVX2) or W8A8 (AVX512-VNNI) product (cpu_gemm_i8.c): q [rows, k]
+    uint8 with zero point 128 and x_scales [rows] (`quantize_rows`) times `weight`, plus the bias
     (float32 [n] or None), in `dtype`: the exact integer sums, scaled as `scale_rows` scales
     oneDNN's output."""
     lib = library()

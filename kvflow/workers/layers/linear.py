@@ -192,8 +192,7 @@ class GemvLinear(LinearMethod):
         if prepared is None:
             return 0
         return {"amx": self.amx_rows, "panels": self.panel_rows,
-                "pairs": self.pair_rows}.get(prepared.layout,
-                                                                      self.max_rows)
+                "pairs": self.pair_rows}.get(prepared.layout, self.max_rows)
 
 
 def smoothed(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -316,9 +315,10 @@ class Int8Weight(NamedTuple):
 class Int8Linear(LinearMethod):
     """int8 weights per output channel on CPU, two ways:
     - decode-shaped products (at most `max_rows` rows, with the `gemv` kernel: 4, 8 with
-      AVX512-VNNI but no AMX, more where only oneDNN's GEMM runs, `int8_gemv_rows`): W8A16, x rounded per
-      row to 15-bit integers (2^-15 of its largest value) and multiplied with the int8 rows
-      in exact integer sums (kernels/cpu_gemv.c), at the memory's read speed;
+      AVX512-VNNI but no AMX, more where only oneDNN's GEMM runs, `int8_gemv_rows`):
+      W8A16, x rounded per row to 15-bit integers (2^-15 of its largest value) and
+      multiplied with the int8 rows in exact integer sums (kernels/cpu_gemv.c), at the
+      memory's read speed;
     - larger ones: W8A8, activations quantized per token at run time to 8 bits
       (`quantize_rows`: the C kernel, or `quantize_rows_ref`), multiplied by oneDNN's u8 x s8
       int8 GEMM (VNNI, AMX where the CPU has them) into float32; each output row is then
