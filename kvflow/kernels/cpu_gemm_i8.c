@@ -26,6 +26,12 @@
 #include <immintrin.h>
 #endif
 
+/* The AVX512-VNNI path (below, i8g_gemm512) where the build has it. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VNNI__)
+#define I8G_VNNI 1
+#endif
+
 #define I8G_NR 16          /* outputs a panel */
 #define I8G_MR 4           /* rows a tile */
 #define I8G_MB 64          /* rows a work item: its x rows stay in L2 over every panel */
@@ -44,8 +50,7 @@ int i8_gemm_available(void) {
 /* The weight range this build's kernel takes, |w| <= this: 127 with AVX512-VNNI (vpdpbusd adds
  * four u8 x s8 products into 32 bits, nothing saturates), else 63 (AVX2, above); 0 without. */
 int i8_gemm_weight_levels(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
-    && defined(__AVX512VNNI__)
+#ifdef I8G_VNNI
     return 127;
 #elif defined(__AVX2__)
     return 63;
@@ -209,9 +214,7 @@ static inline __attribute__((always_inline)) void i8g_tile(
  * load is a panel's group of 4 inputs (16 outputs x 4); a tile is I8G_MR512 rows by two
  * panels (32 outputs), 2 I8G_MR512 sums in registers, each step 2 weight loads and a 4-byte
  * broadcast a row. The same packed layout, comp and scaling as the AVX2 tile above. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
-    && defined(__AVX512VNNI__)
-#define I8G_VNNI 1
+#ifdef I8G_VNNI
 #define I8G_MR512 8
 
 static inline __attribute__((always_inline)) void i8g_out512(
@@ -301,13 +304,11 @@ static inline __attribute__((always_inline)) void i8g_tile512(
             : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
               "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16",
               "xmm17", "xmm18");
-    } else if (pf != NULL)
+    } else
         for (int64_t g = 0; g < full; g++) {
-            _mm_prefetch((const char *)pf + g * 64, _MM_HINT_T0);
+            if (pf != NULL) _mm_prefetch((const char *)pf + g * 64, _MM_HINT_T0);
             I8G_STEP512(g, memcpy(&v, x0 + r * ldx + g * 4, 4))
         }
-    else
-        for (int64_t g = 0; g < full; g++) I8G_STEP512(g, memcpy(&v, x0 + r * ldx + g * 4, 4))
     if (groups > full)                                                     /* the last group */
         I8G_STEP512(full, memcpy(&v, x0 + r * ldx + full * 4, (size_t)(K - full * 4)))
 #undef I8G_STEP512
