@@ -27,7 +27,10 @@ its baseline in the same run:
 - the greedy argmax over [batch, vocab] logits: the C kernel against torch.argmax.
 
     python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32]
-        [--kv-dtype bfloat16] [--isa avx2]
+        [--kv-dtype bfloat16|int8] [--isa avx2]
+
+With --kv-dtype int8 the cpu backend reads an int8 cache (kv_cache_dtype="int8": rows of
+int8 values and their scale) and the torch backend the same values dequantized into --dtype.
 """
 from __future__ import annotations
 
@@ -149,6 +152,13 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             del copies
 
 
+def as_values(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache's values in `dtype` (an int8 cache's rows dequantized)."""
+    if cache.dtype == torch.int8:
+        return cpu_ops.dequantize_kv_rows(cache).to(dtype)
+    return cache.to(dtype)
+
+
 def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tensor],
                       args: argparse.Namespace, rng: np.random.Generator) -> None:
     """One layer's prefill of these prompts: the cpu backend as it runs them (on CPUs with AMX,
@@ -165,7 +175,7 @@ def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tens
     scale = head_dim ** -0.5
     q = torch.randn(sum(lengths), heads, head_dim).to(cpu.dtype)
     slots = np.zeros(sum(lengths), dtype=np.int64)
-    as_torch = [t.to(cpu.dtype) for t in cache]         # the torch backend's: its dtype's
+    as_torch = [as_values(t, cpu.dtype) for t in cache]   # the torch backend's: its dtype's
     runs = {"cpu": (cpu, cpu.build_metadata(slots, [], spans)),
             "tiles": (kernel_only, kernel_only.build_metadata(slots, [], spans)),
             "torch": (backends["torch"], backends["torch"].build_metadata(slots, [], spans))}
@@ -201,10 +211,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float32"],
+    parser.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float32", "int8"],
                         help="the KV cache's dtype (default: --dtype's); float32 arithmetic "
                              "with a bfloat16 cache is what dtype='auto' runs on CPUs "
-                             "without AVX512-BF16")
+                             "without AVX512-BF16; int8: kv_cache_dtype='int8'")
     parser.add_argument("--isa", default="native", choices=list(cpu_ops.ISA_FLAGS),
                         help="build the kernels for this CPU less AVX512-BF16 (avx512) or "
                              "less AVX-512 (avx2): the code other CPUs run")
@@ -235,11 +245,14 @@ def main() -> None:
     num_blocks = max(sum(-(-c // block_size) for c in contexts),
                      args.prompts * -(-256 // block_size),
                      -(-args.long_prompt // block_size)) * 5 // 4
-    caches = [[torch.randn(backends["cpu"].cache_shape(num_blocks)).to(kv_dtype)
+    values = (kv_heads, num_blocks * block_size, head_dim)
+    caches = [[cpu_ops.quantize_kv_rows(torch.randn(values)) if kv_dtype == torch.int8
+               else torch.randn(values).to(kv_dtype)
                for _ in range(2)] for _ in range(args.layers)]  # a cache per layer
-    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * kv_dtype.itemsize * args.layers
+    row_bytes = caches[0][0].shape[-1] * kv_dtype.itemsize       # an int8 row: + its scale
+    kv_bytes = 2 * sum(contexts) * kv_heads * row_bytes * args.layers
     layers = {"cpu": caches, "torch": caches if kv_dtype == dtype else [   # torch: its dtype's
-        [t.to(dtype) for t in pair] for pair in caches]}
+        [as_values(t, dtype) for t in pair] for pair in caches]}
     q = torch.randn(args.batch, heads, head_dim).to(dtype)
     slots = np.zeros(args.batch, dtype=np.int64)
     print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "

@@ -26,8 +26,10 @@ of its floor.
 
 Engines (--only, comma-separated; default all):
   kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
+  kvflow-auto-kv8, kvflow-int8-kv8: the same with an int8 KV cache (kv_cache_dtype="int8")
   llamacpp-F32, llamacpp-BF16, llamacpp-F16, llamacpp-Q8_0
       (../shared/tools/llama-server.sh builds llama-server and the GGUFs)
+  llamacpp-BF16-kv8, llamacpp-Q8_0-kv8: with its q8_0 KV cache (-ctk/-ctv q8_0, -fa on)
   vllm-float32, vllm-auto (its default dtype), each also -allcores: by default vLLM's CPU
       worker binds one core and reserves the rest; -allcores gives it every core with Intel
       OpenMP preloaded, as its docs advise (VLLM_CPU_OMP_THREADS_BIND, ..._RESERVED_CPU=0)
@@ -68,13 +70,18 @@ PEER_COMMAND = serve_bench.server_command            # llama-server's command li
 
 KVFLOW = {"kvflow-auto": dict(dtype="auto"), "kvflow-float32": dict(dtype="float32"),
           "kvflow-bfloat16": dict(dtype="bfloat16"),
-          "kvflow-int8": dict(dtype="auto", quantization="int8")}
-LLAMACPP = ["llamacpp-F32", "llamacpp-BF16", "llamacpp-F16", "llamacpp-Q8_0"]
+          "kvflow-int8": dict(dtype="auto", quantization="int8"),
+          # -kv8: an int8 KV cache (kv_cache_dtype="int8"), against llama.cpp's q8_0 one
+          "kvflow-auto-kv8": dict(dtype="auto", kv_cache_dtype="int8"),
+          "kvflow-int8-kv8": dict(dtype="auto", quantization="int8", kv_cache_dtype="int8")}
+LLAMACPP = ["llamacpp-F32", "llamacpp-BF16", "llamacpp-F16", "llamacpp-Q8_0",
+            "llamacpp-BF16-kv8", "llamacpp-Q8_0-kv8"]
 VLLM = ["vllm-float32", "vllm-float32-allcores", "vllm-auto", "vllm-auto-allcores"]
 # The matmul arithmetic whose speed bounds each engine's batch (llama.cpp's Q8_0 dot products
 # are int8; without AVX512-FP16 it converts F16 weights and computes in float32).
 FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
-              "kvflow-int8": "int8", "llamacpp-F32": "float32", "llamacpp-BF16": "bfloat16",
+              "kvflow-int8": "int8", "kvflow-int8-kv8": "int8", "llamacpp-BF16-kv8": "bfloat16",
+              "llamacpp-Q8_0-kv8": "int8", "llamacpp-F32": "float32", "llamacpp-BF16": "bfloat16",
               "llamacpp-F16": "float32", "llamacpp-Q8_0": "int8", "vllm-float32": "float32",
               "vllm-float32-allcores": "float32"}
 # Bytes a token reads per weight (Q8_0: 32 int8 and an f16 scale per 32; kvflow int8: one
@@ -288,7 +295,12 @@ def server_command(engine: str, port: int, args: argparse.Namespace) -> list[str
         return [sys.executable, "launch.py", "serve", "--model", args.model, "--host",
                 "127.0.0.1", "--port", str(port), "--served-model-name", "default",
                 "--dtype", str(options["dtype"]),
-                *(["--quantization", "int8"] if "quantization" in options else [])]
+                *(["--quantization", "int8"] if "quantization" in options else []),
+                *(["--kv-cache-dtype", str(options["kv_cache_dtype"])]
+                  if "kv_cache_dtype" in options else [])]
+    if engine.endswith("-kv8"):         # llama.cpp's 8-bit cache (a quantized V needs its FA)
+        return [*PEER_COMMAND(engine[:-len("-kv8")], port, args),
+                "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
     return PEER_COMMAND(engine, port, args)
 
 
@@ -454,16 +466,17 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
-    if engine == "kvflow-auto":         # bfloat16 weights, whatever the arithmetic (hardware.py);
+    if engine in ("kvflow-auto", "kvflow-auto-kv8"):    # bfloat16 weights, whatever the
+        # arithmetic (hardware.py);
         # under float32 arithmetic one row reads them in 12-bit panels where use_panels12()
         from kvflow.workers.layers.ops import use_panels12
         return "panels12" if auto_kind == "float32" and use_panels12() else "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
+    if engine in ("llamacpp-Q8_0-kv8", "kvflow-int8", "kvflow-int8-kv8"):
+        return "llamacpp-Q8_0" if engine.startswith("llamacpp") else "int8"
     if engine.startswith("llamacpp"):
         return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[engine.split("-")[1]]
-    if engine == "kvflow-int8":
-        return "int8"
     kind = FLOOR_KIND.get(engine, auto_kind)
     return kind
 
@@ -519,7 +532,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = read_bandwidth()
     floors = {kind: matmul_gflops(kind) for kind in ("float32", "bfloat16", "int8")}
-    for name in ("kvflow-auto", "vllm-auto", "vllm-auto-allcores"):
+    for name in ("kvflow-auto", "kvflow-auto-kv8", "vllm-auto", "vllm-auto-allcores"):
         FLOOR_KIND[name] = auto_kind
     params, _ = model_params(hf)
     flops = workload_flops(hf, prompts, outputs)
@@ -544,6 +557,8 @@ def main() -> None:
                 kv_bytes = 2.0 if name.startswith("llamacpp") or kind != "float32" else 4.0
                 if name in ("kvflow-int8", "kvflow-auto"):      # dtype auto: a bfloat16 KV
                     kv_bytes = 2.0                              # cache on every CPU
+                if name.endswith("-kv8"):       # 8 bits a value and a scale a row (64)
+                    kv_bytes = 34 / 32 if name.startswith("llamacpp") else 68 / 64
                 row["roofline_share"] = roofline_seconds(
                     hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
                     kv_bytes, bandwidth) / elapsed

@@ -6,7 +6,8 @@ int8 runs two ways (layers/linear.py, Int8Linear): prefills and large batches W8
 each prompt, float32 generates 64 greedy tokens. Then each variant (bfloat16; int8 W8A8 with
 float32 or bfloat16 activations, 7-bit weights, without SmoothQuant
 (workers/smoothing.py); int8 W8A16, the decode path, for every product; float32 with a
-bfloat16 KV cache; dtype="auto" as a CPU without bfloat16 arithmetic runs it, float32 on
+bfloat16 KV cache; float32 and bfloat16 with an int8 KV cache (kv_cache_dtype="int8");
+dtype="auto" as a CPU without bfloat16 arithmetic runs it, float32 on
 bfloat16 weights and KV cache) is compared with float32 in two ways:
 - teacher-forced: one forward pass over prompt + float32's tokens; at every generated position,
   whether the variant's argmax is float32's token, and |logprob difference| of that token;
@@ -57,6 +58,8 @@ VARIANTS = {"bfloat16": dict(dtype="bfloat16"),
             "int8, 7-bit weights (W7A8)": dict(dtype="float32", quantization="int8"),
             "int8 W8A16 everywhere": dict(dtype="float32", quantization="int8"),
             "float32, bfloat16 KV cache": dict(dtype="float32", kv_cache_dtype="bfloat16"),
+            "float32, int8 KV cache": dict(dtype="float32", kv_cache_dtype="int8"),
+            "bfloat16, int8 KV cache": dict(dtype="bfloat16", kv_cache_dtype="int8"),
             "auto without AVX512-BF16/AMX": dict(dtype="auto")}
 # The flags that variant decides by (workers/hardware.py): an AVX2-only CPU's.
 AVX2_FLAGS = "sse4_2 avx avx2 fma f16c bmi2"

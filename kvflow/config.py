@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -254,7 +254,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError(f"kv_cache_memory_gb={o.kv_cache_memory_gb} must be > 0")
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={o.kv_cache_dtype!r} must be one of "
-                         f"{KV_CACHE_DTYPES} (no fp8 KV cache yet)")
+                         f"{KV_CACHE_DTYPES} (no fp8 KV cache; int8 is the CPU's 8-bit one)")
     _check_execution(o.attention_backend, o.device, o.block_size, o.gpu_memory_utilization)
     if o.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")

@@ -20,14 +20,22 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_tokens: int,
     `weights`: every weight matrix (not norms or biases) rounded to that dtype's values first,
     computing in `dtype` all the same; `kv`: every key and value rounded to that dtype's
     values as it enters the cache (the cache update returns what attention reads, the new
-    token's own key included)."""
+    token's own key included); torch.int8: each head's key and value row quantized as
+    kvflow's int8 cache stores it (cpu_ops.quantize_kv_rows) and read back."""
     from transformers import AutoModelForCausalLM
     from transformers.cache_utils import DynamicLayer
+    from kvflow.kernels.cpu_ops import dequantize_kv_rows, quantize_kv_rows
     update = DynamicLayer.update
+
+    def stored(x: torch.Tensor) -> torch.Tensor:     # [batch, heads, tokens, head_dim]
+        assert kv is not None
+        if kv == torch.int8:
+            return dequantize_kv_rows(quantize_kv_rows(x)).to(x.dtype)
+        return x.to(kv).to(x.dtype)
+
     if kv is not None:
         def rounded(self, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
-            return update(self, key.to(kv).to(key.dtype), value.to(kv).to(value.dtype),
-                          *args, **kwargs)
+            return update(self, stored(key), stored(value), *args, **kwargs)
         DynamicLayer.update = rounded                     # type: ignore[method-assign]
     try:
         return _hf_greedy(model_path, prompts, max_tokens, dtype, device, weights)

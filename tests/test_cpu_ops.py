@@ -25,10 +25,12 @@ CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: summation order only. bfloat16: one rounding of the output (2^-8 relative).
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
-# Attention's (queries and output, KV cache) dtypes: the model's dtype for both, or float32
-# arithmetic over a bfloat16 cache (kv_cache_dtype). The reference reads the same cache values.
+# Attention's (queries and output, KV cache) dtypes: the model's dtype for both, float32
+# arithmetic over a bfloat16 cache, or either over an int8 one (kv_cache_dtype). The reference
+# reads the same cache values (an int8 cache's rows dequantized).
 KV_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-            (torch.float32, torch.bfloat16)]
+            (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+            (torch.bfloat16, torch.int8)]
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +42,20 @@ def test_the_kernels_build_here() -> None:
     """CI's machine has a C compiler: a build failure must fail loudly, not fall back."""
     assert cpu_ops.library() is not None, cpu_ops.build_error()
     assert cpu_kernels_usable(torch.bfloat16) is None
+
+
+def _cache(fast: CpuBackend, num_blocks: int, kv_dtype: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache of kv_dtype in `fast`'s layout, and the float32 values the reference
+    reads (an int8 cache's rows dequantized: the store's quantization is tested apart)."""
+    num_kv_heads, head_dim = fast.kv_shape
+    values = torch.randn(num_kv_heads, num_blocks * fast.block_size, head_dim)
+    if kv_dtype == torch.int8:
+        cache = cpu_ops.quantize_kv_rows(values)
+        assert cache.shape == fast.cache_shape(num_blocks)
+        return cache, cpu_ops.dequantize_kv_rows(cache)
+    cache = values.to(kv_dtype)
+    return cache, cache.float()
 
 
 def _spans(context_lens: list[int], q_lens: list[int], block_size: int, num_blocks: int,
@@ -71,14 +87,14 @@ def test_decode_attention_matches_torch(kernels: str, dtype: torch.dtype, kv_dty
     spans = _spans(context_lens, [1] * len(context_lens), block_size, num_blocks)
     spans = spans[::-1]                              # rows out of request order
     slots = np.zeros(len(spans), dtype=np.int64)     # the store is not under test here
-    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
+    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU, kv_dtype)
     ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    k_cache, k_ref = _cache(fast, num_blocks, kv_dtype)
+    v_cache, v_ref = _cache(fast, num_blocks, kv_dtype)
     q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
     scale = head_dim ** -0.5
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, spans, []), scale)
-    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, spans, []), scale)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
@@ -92,9 +108,9 @@ def test_split_decode_rows_do_not_depend_on_the_batch(kernels: str, dtype: torch
     contexts = [1100] + [37 + 29 * i for i in range(39)]
     num_blocks = sum(-(-c // bs) for c in contexts) + 1
     spans = _spans(contexts, [1] * len(contexts), bs, num_blocks)
-    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU, kv_dtype)
+    k_cache, _ = _cache(fast, num_blocks, kv_dtype)
+    v_cache, _ = _cache(fast, num_blocks, kv_dtype)
     q = torch.randn(len(spans), heads, d).to(dtype)
 
     def attend(n: int) -> torch.Tensor:
@@ -115,13 +131,13 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype,
     prefills = _spans([40, 70], [40, 22], bs, 64)            # the second has 48 cached tokens
     decodes = _spans([1, 33, 100], [1, 1, 1], bs, 90, first_row=62)   # reads may share blocks
     slots = np.zeros(65, dtype=np.int64)
-    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU, kv_dtype)
     ref = TorchBackend(bs, kv_heads, d, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(90)).to(kv_dtype)
-    v_cache = torch.randn(fast.cache_shape(90)).to(kv_dtype)
+    k_cache, k_ref = _cache(fast, 90, kv_dtype)
+    v_cache, v_ref = _cache(fast, 90, kv_dtype)
     q = torch.randn(65, heads, d).to(dtype)
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, decodes, prefills), 0.125)
-    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, decodes, prefills), 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
@@ -134,13 +150,13 @@ def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
     300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk."""
     spans = _spans([300, 170, 9], [300, 50, 1], block_size, 120)
     slots = np.zeros(351, dtype=np.int64)
-    fast = CpuBackend(block_size, 2, 64, dtype, CPU)
+    fast = CpuBackend(block_size, 2, 64, dtype, CPU, kv_dtype)
     ref = TorchBackend(block_size, 2, 64, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(120)).to(kv_dtype)
-    v_cache = torch.randn(fast.cache_shape(120)).to(kv_dtype)
+    k_cache, k_ref = _cache(fast, 120, kv_dtype)
+    v_cache, v_ref = _cache(fast, 120, kv_dtype)
     q = torch.randn(351, 8, 64).to(dtype)
     out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, [], spans), 0.125)
-    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, [], spans), 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
@@ -164,14 +180,14 @@ def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype,
     prefills = [s for s in spans if s.num_query_tokens > 1]
     num_rows = sum(q_lens)
     slots = np.zeros(num_rows, dtype=np.int64)
-    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU)
+    fast = CpuBackend(block_size, num_kv_heads, head_dim, dtype, CPU, kv_dtype)
     ref = TorchBackend(block_size, num_kv_heads, head_dim, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(kv_dtype)
+    k_cache, k_ref = _cache(fast, num_blocks, kv_dtype)
+    v_cache, v_ref = _cache(fast, num_blocks, kv_dtype)
     q = torch.randn(num_rows, num_heads, head_dim).to(dtype) * 3    # peaked softmax rows
     meta = fast.build_metadata(slots, decodes, prefills)
     out = fast.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, decodes, prefills), head_dim ** -0.5)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
     # The partition into work items: which rows went through a tile.
@@ -291,16 +307,33 @@ def test_rotary_matches_torch(kernels: str, dtype: torch.dtype, head_dim: int) -
 def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torch.dtype,
                                 num_tokens: int) -> None:
     """K and V as the model hands them over: strided views of the fused qkv output; float32
-    rows into a bfloat16 cache rounded as torch rounds them."""
+    rows into a bfloat16 cache rounded as torch rounds them; rows into an int8 cache quantized
+    as quantize_kv_rows does (its values and scale bytes), each within half a step of x."""
     heads, kv_heads, d, num_slots = 9, 3, 64, 1024
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d).to(dtype)
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(num_tokens, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d:].view(num_tokens, kv_heads, d)
     slots = torch.randperm(num_slots)[:num_tokens]              # scattered, out of order
+    if kv_dtype == torch.int8:
+        got = [cpu_ops.quantize_kv_rows(torch.randn(kv_heads, num_slots, d)) for _ in range(2)]
+        want = [c.clone() for c in got]
+        for src, cache in zip((k, v), want):
+            cache[:, slots] = cpu_ops.quantize_kv_rows(src.transpose(0, 1))
+        cpu_ops.store_kv(k, v, got[0], got[1], slots)
+        for src, g, w in zip((k, v), got, want):
+            # The scales' bytes exactly; a value may sit one step off where x / scale is a
+            # tie within a rounding (-ffast-math may evaluate x * (1 / scale) as x / scale).
+            assert torch.equal(g[..., -4:], w[..., -4:])
+            assert (g[:, :, :-4].int() - w[:, :, :-4].int()).abs().max() <= 1
+            rows = g[:, slots]
+            error = cpu_ops.dequantize_kv_rows(rows) - src.transpose(0, 1).float()
+            step = rows[..., -4:].contiguous().view(torch.float32)
+            assert (error.abs() <= step * (0.5 + 1e-5)).all()
+        return
     got = [torch.randn(kv_heads, num_slots, d).to(kv_dtype) for _ in range(2)]
     want = [c.clone() for c in got]
-    cpu_ops.store_kv(k, v, got[0], got[1], slots)
     torch_store_kv(k.to(kv_dtype), v.to(kv_dtype), want[0], want[1], slots)
+    cpu_ops.store_kv(k, v, got[0], got[1], slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

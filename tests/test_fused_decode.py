@@ -2,7 +2,8 @@
 model's own forward (layers/ and models/llama.py, which `enforce_eager=True` keeps): the
 same greedy tokens in float32 on the default model (batches of one to eight, draft
 verifications), on Qwen2 (q/k/v bias) and Qwen3 (q/k norms), under tensor parallelism 2, and
-with int8 weights; and one step's hidden states close to the unfused forward's."""
+with int8 weights; and one step's hidden states close to the unfused forward's (also with an
+int8 KV cache)."""
 from __future__ import annotations
 
 import pytest
@@ -150,13 +151,18 @@ def test_int8_without_vnni_steps_past_4_tokens_run_kvflows_gemm_fused(
     assert fused_tokens == unfused_tokens
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_step_matches_the_unfused_forward(default_model: str, dtype: torch.dtype) -> None:
+def test_one_step_matches_the_unfused_forward(default_model: str, dtype: torch.dtype,
+                                              kv_cache_dtype: str) -> None:
     """Three requests prefilled with 40 tokens, then a step of two decodes and a three-token
     verification span straight through both paths: hidden states agree to the dtype's
-    rounding (bfloat16: the unfused path is itself ~1% per row from float32)."""
+    rounding (bfloat16: the unfused path is itself ~1% per row from float32). With an int8
+    KV cache each path quantizes the step's new keys and values itself, and a value a few
+    ulps from a rounding boundary may land a step apart: within 1% a row then."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    with LLM(default_model, in_process=True, dtype=name, kv_cache_memory_gb=0.2) as llm:
+    with LLM(default_model, in_process=True, dtype=name, kv_cache_memory_gb=0.2,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         run = runner(llm)
         assert run.fused is not None
         prefill = step_inputs(run, [(40, 40)] * 3)
@@ -164,10 +170,12 @@ def test_one_step_matches_the_unfused_forward(default_model: str, dtype: torch.d
         step = step_inputs(run, [(1, 41), (1, 41), (3, 43)])
         fused = run.fused.forward(*step)                       # type: ignore[arg-type]
         unfused = run.model(*step)
-    if dtype == torch.float32:
+    rel = (fused.float() - unfused.float()).norm(dim=1) / unfused.float().norm(dim=1)
+    if dtype == torch.float32 and kv_cache_dtype == "auto":
         torch.testing.assert_close(fused, unfused, atol=2e-4, rtol=1e-4)
+    elif dtype == torch.float32:
+        assert float(rel.max()) < 0.01, rel
     else:
-        rel = (fused.float() - unfused.float()).norm(dim=1) / unfused.float().norm(dim=1)
         assert float(rel.max()) < 0.03, rel
 
 

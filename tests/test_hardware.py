@@ -88,8 +88,9 @@ def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
 
 
 def test_kv_cache_dtype_option(default_model: str) -> None:
-    """kv_cache_dtype="bfloat16" under float32 on the cpu backend; refused, naming why, where
-    no kernel reads such a cache (the torch backend) and for dtypes kvflow has none of."""
+    """kv_cache_dtype="bfloat16" (and "int8") under float32 on the cpu backend; refused,
+    naming why, where no kernel reads such a cache (the torch backend) and for dtypes kvflow
+    has none of."""
     config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
                                              device="cpu", dtype="float32", **kw)
     worker = Worker(config(kv_cache_dtype="bfloat16"))
@@ -99,6 +100,12 @@ def test_kv_cache_dtype_option(default_model: str) -> None:
         Worker(config(kv_cache_dtype="bfloat16", attention_backend="torch"))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' must be one of"):
         config(kv_cache_dtype="fp8")
+    # int8: rows of 64 int8 values and a float32 scale; only the cpu backend's kernels read it.
+    int8 = Worker(config(kv_cache_dtype="int8"))
+    assert (int8.dtype, int8.kv_cache.tensor.dtype) == (torch.float32, torch.int8)
+    assert int8.kv_cache.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 4)
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' needs the cpu attention"):
+        Worker(config(kv_cache_dtype="int8", attention_backend="torch"))
     # auto on the torch backend stays in the arithmetic's dtype (no kernel for the mix).
     fallback = Worker(config(attention_backend="torch"))
     assert fallback.kv_cache.tensor.dtype == torch.float32

@@ -25,6 +25,14 @@ LOGPROB_ATOL = 2e-3
 # So the bulk is held tight and the single worst value loosely: against HF with unrounded keys
 # and values the mean is 0.0074, with unrounded weights (the dtype="auto" test) 0.014.
 BF16_KV_MEAN, BF16_KV_P99, BF16_KV_MAX = 0.0065, 0.05, 0.2
+# An int8 cache (kv_cache_dtype="int8"): the same mechanism with one int8 step (a row's
+# largest magnitude / 127, large next to most of the row's values where one channel stands
+# out) in place of a bfloat16 ulp. HF against itself, float32 against float64 arithmetic,
+# both with keys and values quantized so: mean 0.024, p99 0.15, max 0.43 over these prompts
+# (0.0041, 0.026, 0.038 with bfloat16 rounding); kvflow float32 against HF float32 measured
+# 0.024, 0.15, 0.23, and against HF with unquantized keys and values 0.037, 0.19, 0.32.
+KV_BOUNDS = {torch.bfloat16: (BF16_KV_MEAN, BF16_KV_P99, BF16_KV_MAX),
+             torch.int8: (0.033, 0.22, 0.6)}
 
 PROMPTS = [
     "Hello, my name is",
@@ -67,10 +75,13 @@ def _check_against_hf(model_path: str, prompts: list[str], weights: torch.dtype 
     if kv is not None:
         d = torch.tensor(diffs)
         stats = (float(d.mean()), float(d.quantile(0.99)), float(d.max()))
-        assert all(s <= b for s, b in zip(stats, (BF16_KV_MEAN, BF16_KV_P99, BF16_KV_MAX))), (
+        assert all(s <= b for s, b in zip(stats, KV_BOUNDS[kv])), (
             "mean, p99, max |logprob - HF's|", stats)
-    # The tie rule is for rare near-ties, not a way out: most tokens must match exactly.
-    assert num_exact >= 0.9 * len(prompts) * MAX_TOKENS, num_exact
+    # The tie rule is for rare near-ties, not a way out: most tokens must match exactly (with
+    # an int8 cache a flipped step moves logprobs by up to ~0.4, so near-ties are less rare:
+    # 212 of 256 measured).
+    share = 0.75 if kv == torch.int8 else 0.9
+    assert num_exact >= share * len(prompts) * MAX_TOKENS, num_exact
     return outs
 
 
@@ -103,3 +114,12 @@ def test_float32_with_a_bfloat16_kv_cache(default_model: str) -> None:
     loaded, keys and values rounded to bfloat16 as they are stored; HF float32 with its
     cached keys and values rounded the same is the reference."""
     _check_against_hf(default_model, PROMPTS, kv=torch.bfloat16, kv_cache_dtype="bfloat16")
+
+
+def test_int8_kv_cache_matches_hf(default_model: str) -> None:
+    """kv_cache_dtype="int8" under float32 arithmetic: each head's key and value rows stored in
+    8 bits with their own scale; HF in float32 with its cached keys and values quantized and
+    read back the same way is the reference. (Under bfloat16 arithmetic the kernels are
+    checked against torch in test_cpu_ops.py and the fused decode against the unfused one in
+    test_fused_decode.py.)"""
+    _check_against_hf(default_model, PROMPTS, kv=torch.int8, kv_cache_dtype="int8")

@@ -44,6 +44,19 @@ int paged_attention_f32_kv_bf16(const float *q, const uint16_t *k_cache,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t num_slots, float scale,
                                 float *out);
+#define DECLARE_KV_I8(T, S)                                                                   \
+int store_kv_i8_##S(const char *src, int64_t token_stride, int64_t head_stride,               \
+                    const int64_t *slots, int64_t num_tokens, int64_t heads, int64_t head_dim, \
+                    int64_t num_slots, int8_t *cache);                                        \
+int paged_attention_##S##_kv_i8(const T *q, const int8_t *k_cache, const int8_t *v_cache,     \
+                                const int32_t *block_tables, int64_t num_tables,              \
+                                const int32_t *table_rows, const int32_t *context_lens,      \
+                                const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries, \
+                                int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, \
+                                int64_t head_dim, int64_t block_size, int64_t num_slots,     \
+                                float scale, T *out);
+DECLARE_KV_I8(float, f32)
+DECLARE_KV_I8(uint16_t, bf16)
 int i8_gemm(const uint8_t *xq, int64_t ldx, int64_t M, int64_t K, const int8_t *packed,
             const int32_t *comp, int64_t N, const float *wscale, const float *xscale,
             const float *bias, void *out, int64_t ldo, int obf16);
@@ -98,7 +111,7 @@ typedef struct {
 typedef struct {
     int32_t dtype;                        /* D_F32 or D_BF16 */
     int32_t first;                        /* 1: h is the embedding, no residual yet */
-    int32_t kv_dtype;                     /* the KV cache's: dtype's, or D_BF16 under D_F32 */
+    int32_t kv_dtype;                     /* the KV cache's: dtype's, D_BF16 under D_F32, or D_I8 */
     int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, inter;
     int64_t num_slots, block_size;
     float eps, scale;
@@ -147,6 +160,10 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
 #define DISPATCH(s, OP, ...)                                                                  \
     ((s)->dtype == D_F32 ? OP##_f32(__VA_ARGS__) : OP##_bf16(__VA_ARGS__))
 
+#define DISPATCH_KV_I8(s, ...)                                                                \
+    ((s)->dtype == D_F32 ? paged_attention_f32_kv_i8(__VA_ARGS__)                              \
+                         : paged_attention_bf16_kv_i8(__VA_ARGS__))
+
 static void norm_input(const DecodeStep *s, const void *w, int first) {
     const int64_t T = s->num_tokens, H = s->hidden;
     if (first) {
@@ -180,10 +197,16 @@ static void norm_heads(const DecodeStep *s, const DecodeLayer *L, int64_t qkv_wi
 }
 
 /* The step's new K or V rows (`heads` rows a token, token_stride bytes apart) into a cache of
- * the step's kv_dtype: copied, or rounded from float32 into bfloat16. */
+ * the step's kv_dtype: copied, rounded from float32 into bfloat16, or quantized into int8. */
 static int store_rows(const DecodeStep *s, const char *src, int64_t token_stride,
                       int64_t heads, void *cache) {
     const int64_t d = s->head_dim, e = esize(s->dtype);
+    if (s->kv_dtype == D_I8)
+        return s->dtype == D_F32
+            ? store_kv_i8_f32(src, token_stride, d * e, s->slots, s->num_tokens, heads, d,
+                              s->num_slots, cache)
+            : store_kv_i8_bf16(src, token_stride, d * e, s->slots, s->num_tokens, heads, d,
+                               s->num_slots, cache);
     if (s->kv_dtype != s->dtype)
         return store_kv_f32_to_bf16(src, token_stride, d * e, s->slots, s->num_tokens, heads,
                                     d, s->num_slots, cache);
@@ -211,7 +234,11 @@ int decode_attention(const DecodeLayer *L, DecodeStep *s) {
         || store_rows(s, v_src, width * e, nkv, L->v_cache))
         return 3;
     const int status =
-        s->kv_dtype != s->dtype                   /* float32 queries, a bfloat16 cache */
+        s->kv_dtype == D_I8                       /* an int8 cache */
+            ? DISPATCH_KV_I8(s, s->q, L->k_cache, L->v_cache, s->block_tables, s->num_tables,
+                             s->table_rows, s->context_lens, s->q_rows, T, T, s->max_blocks,
+                             nh, nkv, d, s->block_size, s->num_slots, s->scale, s->attn)
+        : s->kv_dtype != s->dtype                 /* float32 queries, a bfloat16 cache */
             ? paged_attention_f32_kv_bf16(s->q, L->k_cache, L->v_cache, s->block_tables,
                                           s->num_tables, s->table_rows, s->context_lens,
                                           s->q_rows, T, T, s->max_blocks, nh, nkv, d,

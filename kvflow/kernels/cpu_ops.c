@@ -40,6 +40,19 @@ static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as 
 }
 
 static inline float f32_to_f32(float x) { return x; }
+static inline float i8_to_f32(int8_t x) { return (float)x; }
+
+/* An int8 cache (kv_cache_dtype="int8") holds each K/V row as head_dim int8 values followed by
+ * their float32 scale (4 bytes, at any alignment): value = int8 * scale. KV_EXTRA is the
+ * bytes a row has past its values, ROW_SCALE its scale (1 for float32 and bfloat16 caches:
+ * both compile away there). */
+#define KV_EXTRA(TK) (sizeof(TK) == 1 ? 4 : 0)
+static inline float row_scale_i8(const void *row, int64_t D) {
+    float scale;
+    memcpy(&scale, (const char *)row + D, sizeof scale);
+    return scale;
+}
+#define ROW_SCALE(TK, row, D) (sizeof(TK) == 1 ? row_scale_i8((row), (D)) : 1.0f)
 
 /* Fetch [start, start + bytes): into L1 (to = 0, prefetcht0), L2 (1, prefetcht1) or towards
  * L2 (2, prefetcht2); `to` a constant. On x86 an asm statement: GCC may delete a loop that
@@ -94,15 +107,17 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float *qf, const T *k_head, const T *v_head, const int32_t *table, int64_t ctx, \
         int64_t block_size, const int64_t group, const int64_t D, float *scores, float *acc) {\
     float maxs[MAX_GROUP], kf[D] __attribute__((aligned(64)));                                 \
+    const int64_t RS = D + KV_EXTRA(T);                /* a row's elements */                 \
     for (int64_t g = 0; g < group; g++) maxs[g] = -FLT_MAX;                                   \
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
-        const T *kb = k_head + (int64_t)table[blk] * block_size * D;                         \
+        const T *kb = k_head + (int64_t)table[blk] * block_size * RS;                        \
         for (int64_t t = 0; t < n; t++) {                                                     \
             prefetch_key(k_head, table, start + t + PREFETCH_KEYS, ctx, block_size,          \
-                         D * (int64_t)sizeof(T));                                             \
+                         RS * (int64_t)sizeof(T));                                            \
+            const float ks = ROW_SCALE(T, kb + t * RS, D);                                    \
             _Pragma("omp simd")                                                               \
-            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb[t * D + d]);                      \
+            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb[t * RS + d]) * ks;                \
             for (int64_t g = 0; g < group; g++) {                                             \
                 const float *qg = qf + g * D;                                                 \
                 float s = 0.0f;                                                               \
@@ -125,12 +140,13 @@ static inline __attribute__((always_inline)) void NAME(                         
     memset(acc, 0, sizeof(float) * (size_t)(group * D));                                      \
     for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {               \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;               \
-        const T *vb = v_head + (int64_t)table[blk] * block_size * D;                         \
+        const T *vb = v_head + (int64_t)table[blk] * block_size * RS;                        \
         for (int64_t t = 0; t < n; t++) {                                                     \
             prefetch_key(v_head, table, start + t + PREFETCH_KEYS, ctx, block_size,          \
-                         D * (int64_t)sizeof(T));                                             \
+                         RS * (int64_t)sizeof(T));                                            \
+            const float vs = ROW_SCALE(T, vb + t * RS, D);                                    \
             _Pragma("omp simd")                                                               \
-            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vb[t * D + d]);                      \
+            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vb[t * RS + d]) * vs;                \
             for (int64_t g = 0; g < group; g++) {                                             \
                 const float p = scores[g * ctx + start + t];                                  \
                 float *ag = acc + g * D;                                                      \
@@ -261,18 +277,20 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
     memset(o, 0, sizeof(float) * (size_t)(R * D));                                            \
     memset(lsum, 0, sizeof(float) * (size_t)(VL * R));                                        \
     const int64_t kend = ctx0 + rows - 1;             /* keys the last row sees */           \
+    const int64_t RS = D + KV_EXTRA(TK);              /* a cache row's elements */           \
     for (int64_t k0 = 0; k0 < kend; k0 += TILE_K) {                                           \
         const int64_t nk = kend - k0 < TILE_K ? kend - k0 : TILE_K;                           \
         for (int64_t j = 0; j < TILE_K; j++) {                                                \
             if (j < nk) {                                                                     \
                 const int64_t t = k0 + j;                                                     \
                 const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;                    \
-                const TK *kr = k_head + slot * D, *vr = v_head + slot * D;                   \
-                prefetch_key(k_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(TK));   \
-                prefetch_key(v_head, table, t + TILE_K, kend, bs, D * (int64_t)sizeof(TK));   \
-                for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOADK(kr[d]);            \
+                const TK *kr = k_head + slot * RS, *vr = v_head + slot * RS;                 \
+                prefetch_key(k_head, table, t + TILE_K, kend, bs, RS * (int64_t)sizeof(TK));  \
+                prefetch_key(v_head, table, t + TILE_K, kend, bs, RS * (int64_t)sizeof(TK));  \
+                const float ks = ROW_SCALE(TK, kr, D), vs = ROW_SCALE(TK, vr, D);            \
+                for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOADK(kr[d]) * ks;       \
                 _Pragma("omp simd")                                                           \
-                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]);                 \
+                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]) * vs;            \
             } else {                                                                          \
                 for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = vt[j * D + d] = 0.0f;   \
             }                                                                                 \
@@ -381,6 +399,16 @@ static inline vf loadv_bf16(const uint16_t *p) {
 #endif
 }
 static inline vf loadv_f32(const float *p) { return (vf) * (const vfu *)p; }
+typedef int8_t vb8 __attribute__((vector_size(VL), aligned(1)));
+static inline vf loadv_i8(const int8_t *p) {
+#if VL == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(*(const vb8 *)p, vf);
+#endif
+}
 
 /* r[j] = the sum of v[j]'s lanes: a transpose tree, not a horizontal sum per vector. */
 static inline vf sum_lanes(const vf v[VL]) {
@@ -461,14 +489,16 @@ static inline __attribute__((always_inline)) void NAME(                         
     vf a[ROW_HEADS][ROW_COLS];                                                                \
     for (int g = 0; g < G; g++)                                                               \
         for (int c = 0; c < C; c++) a[g][c] = (vf){0};                                        \
+    const int64_t RS = D + KV_EXTRA(TK);                                                      \
     for (int64_t start = tb, blk = tb / bs, off = tb % bs; start < te; start += bs - off,    \
          blk++, off = 0) {                                /* runs of one block's rows */     \
         const int64_t n = te - start < bs - off ? te - start : bs - off;                      \
-        const TK *row = v_head + ((int64_t)table[blk] * bs + off) * D + c0;                  \
+        const TK *row = v_head + ((int64_t)table[blk] * bs + off) * RS + c0;                 \
         const float *sc = scores + start - tb;                                                \
-        for (int64_t t = 0; t < n; t++, row += D) {                                           \
+        for (int64_t t = 0; t < n; t++, row += RS) {                                          \
             vf p[ROW_HEADS];                                                                  \
-            for (int g = 0; g < G; g++) p[g] = (vf){0} + sc[g * ctx16 + t];                   \
+            const float vs = ROW_SCALE(TK, row - c0, D);                                      \
+            for (int g = 0; g < G; g++) p[g] = (vf){0} + sc[g * ctx16 + t] * vs;              \
             for (int c = 0; c < C; c++) {                                                     \
                 const vf v = LOADV(row + c * VL);                                             \
                 for (int g = 0; g < G; g++) a[g][c] += p[g] * v;                              \
@@ -510,12 +540,13 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
         float *ml) {                                                                          \
     const int64_t ctx = te - tb, ctx16 = (ctx + 15) & ~(int64_t)15, nv = D / VL;             \
     /* the VL keys' rows (a zero row past the context), their partial sums per head */     \
-    static const TK zero_row[256] __attribute__((aligned(64)));                              \
+    static const TK zero_row[256 + 4] __attribute__((aligned(64)));   /* + an int8 scale */  \
+    const int64_t RS = D + KV_EXTRA(TK), row_bytes = RS * (int64_t)sizeof(TK);               \
     const TK *rows[VL];                                                                       \
     vf parts[MAX_GROUP][VL];                                                                  \
     vf top[MAX_GROUP];                                                                        \
     for (int64_t g = 0; g < group; g++) top[g] = (vf){0} + MASKED;                            \
-    row_start(k_head, v_head, table, tb, te, bs, D * (int64_t)sizeof(TK));                    \
+    row_start(k_head, v_head, table, tb, te, bs, row_bytes);                                  \
     for (int64_t t0 = 0, blk = tb / bs, off = tb % bs; t0 < ctx; t0 += VL) {                  \
         const int64_t n = ctx - t0 < VL ? ctx - t0 : VL;                                      \
         for (int64_t j = 0; j < VL; j++) {                                                    \
@@ -523,9 +554,9 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
                 rows[j] = zero_row;                                                           \
                 continue;                                                                     \
             }                                                                                 \
-            row_prefetch(k_head, table, blk, off, te, bs, D * (int64_t)sizeof(TK));           \
-            row_prefetch(v_head, table, blk, off, te, bs, D * (int64_t)sizeof(TK));           \
-            rows[j] = k_head + ((int64_t)table[blk] * bs + off) * D;                         \
+            row_prefetch(k_head, table, blk, off, te, bs, row_bytes);                         \
+            row_prefetch(v_head, table, blk, off, te, bs, row_bytes);                         \
+            rows[j] = k_head + ((int64_t)table[blk] * bs + off) * RS;                        \
             if (++off == bs) off = 0, blk++;                                                  \
         }                                                                                     \
         for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {                                 \
@@ -536,8 +567,11 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
         vi lane;                                                                              \
         for (int j = 0; j < VL; j++) lane[j] = j;                                             \
         const vi valid = lane < (int32_t)n;                                                   \
+        vf ks = (vf){0} + 1.0f;                        /* the keys' int8 scales */           \
+        if (KV_EXTRA(TK))                                                                     \
+            for (int j = 0; j < VL; j++) ks[j] = ROW_SCALE(TK, rows[j], D);                   \
         for (int64_t g = 0; g < group; g++) {                                                 \
-            vf s = sum_lanes(parts[g]);                                                       \
+            vf s = sum_lanes(parts[g]) * ks;                                                  \
             s = (vf)(((vi)s & valid) | ((vi)((vf){0} + MASKED) & ~valid));                   \
             *(vf *)(scores + g * ctx16 + t0) = s;                                             \
             top[g] = vmax(top[g], s);                                                         \
@@ -732,7 +766,9 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         const int64_t kvh = tasks[4 * task + 2], part = tasks[4 * task + 3];                  \
         const int64_t seq = items[2 * item], rows = items[2 * item + 1];                     \
         const int64_t ctx = context_lens[seq];                                                \
-        const TK *k_head = k_cache + kvh * num_slots * D, *v_head = v_cache + kvh * num_slots * D; \
+        const int64_t RS = D + KV_EXTRA(TK);            /* a cache row's elements */          \
+        const TK *k_head = k_cache + kvh * num_slots * RS;                                    \
+        const TK *v_head = v_cache + kvh * num_slots * RS;                                    \
         const int32_t *table = block_tables + (int64_t)table_rows[seq] * max_blocks;          \
         if (rows > 1) {                                                                       \
             float *scratch = aligned_alloc(64, sizeof(float) * (size_t)tile_scratch(group, D)); \
@@ -778,7 +814,7 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
             ROWV(qf, k_head, v_head, table, 0, ctx, block_size, group, D, scores, acc, NULL); \
         } else {                                         /* other head sizes: one by one */  \
             prefetch_runs(k_head, v_head, table, ctx, block_size,                             \
-                          block_size * D * (int64_t)sizeof(TK));                              \
+                          block_size * RS * (int64_t)sizeof(TK));                             \
             TASK(qf, k_head, v_head, table, ctx, block_size, group, D, scores, acc);         \
         }                                                                                     \
         for (int64_t i = 0; i < group * D; i++) o_seq[i] = STORE(acc[i]);                    \
@@ -800,6 +836,19 @@ DEFINE_KERNEL(paged_attention_f32, row_task_f32, row_task_vec_f32, tile_task_f32
  * half the bytes a decode reads per key; kv_cache_dtype, workers/hardware.py). */
 DEFINE_KERNEL(paged_attention_f32_kv_bf16, row_task_bf16, row_task_vec_bf16,
               tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t)
+/* An int8 cache (kv_cache_dtype="int8", rows of int8 values and their float32 scale, see
+ * KV_EXTRA) under float32 or bfloat16 arithmetic: each row widened to float32 and multiplied
+ * by its scale where the other caches' rows are widened (tiles, one-key rows); the row tasks
+ * that take VL keys at a time multiply the keys' scores by their K scales and the weights of
+ * P V by their V scales instead. Half the bytes a decode reads per key of a bfloat16 cache. */
+DEFINE_TASK(row_task_i8, int8_t, i8_to_f32)
+DEFINE_ROW_TASK(row_task_vec_i8, int8_t, loadv_i8)
+DEFINE_TILE_TASK(tile_task_f32_kv_i8, float, f32_to_f32, f32_to_f32, int8_t, i8_to_f32)
+DEFINE_TILE_TASK(tile_task_bf16_kv_i8, uint16_t, bf16_to_f32, f32_to_bf16, int8_t, i8_to_f32)
+DEFINE_KERNEL(paged_attention_f32_kv_i8, row_task_i8, row_task_vec_i8, tile_task_f32_kv_i8,
+              float, f32_to_f32, f32_to_f32, int8_t)
+DEFINE_KERNEL(paged_attention_bf16_kv_i8, row_task_i8, row_task_vec_i8, tile_task_bf16_kv_i8,
+              uint16_t, bf16_to_f32, f32_to_bf16, int8_t)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
  * Each takes rows of `n` elements `stride` apart and writes contiguous rows. The bf16 versions
@@ -1036,6 +1085,38 @@ int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_str
         }
     return 0;
 }
+
+/* store_kv into an int8 cache (rows of int8 values and their float32 scale, KV_EXTRA): each
+ * float32 or bfloat16 row (strides in bytes, as store_kv's) by its largest magnitude:
+ * scale = amax * (1 / 127), q = x * (1 / scale) rounded to nearest even (0 for a row of
+ * zeros), as cpu_ops.quantize_kv_rows computes them. */
+#define DEFINE_STORE_I8(NAME, T, LOAD)                                                        \
+int NAME(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,   \
+         int64_t num_tokens, int64_t heads, int64_t head_dim, int64_t num_slots,             \
+         int8_t *cache) {                                                                     \
+    for (int64_t t = 0; t < num_tokens; t++)                                                  \
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;                                  \
+    const int64_t RS = head_dim + KV_EXTRA(int8_t);                                           \
+    PARALLEL_IF(num_tokens * heads * head_dim)                                                \
+    for (int64_t t = 0; t < num_tokens; t++)                                                  \
+        for (int64_t h = 0; h < heads; h++) {                                                 \
+            const T *row = (const T *)(src + t * token_stride + h * head_stride);             \
+            int8_t *dst = cache + (h * num_slots + slots[t]) * RS;                            \
+            float amax = 0.0f;                                                                \
+            for (int64_t d = 0; d < head_dim; d++) {                                          \
+                const float a = fabsf(LOAD(row[d]));                                          \
+                amax = a > amax ? a : amax;                                                   \
+            }                                                                                 \
+            /* no division by a constant: -ffast-math would turn it into a product */         \
+            const float scale = amax * (1.0f / 127.0f), inv = scale > 0.0f ? 1.0f / scale : 0.0f; \
+            for (int64_t d = 0; d < head_dim; d++)                                            \
+                dst[d] = (int8_t)nearbyintf(LOAD(row[d]) * inv);                              \
+            memcpy(dst + head_dim, &scale, sizeof scale);                                     \
+        }                                                                                     \
+    return 0;                                                                                 \
+}
+DEFINE_STORE_I8(store_kv_i8_f32, float, f32_to_f32)
+DEFINE_STORE_I8(store_kv_i8_bf16, uint16_t, bf16_to_f32)
 
 /* --- Sampling a row: temperature, top-k, top-p, min-p, then one inverse-CDF draw ----------
  * The CPU sampler's draw (workers/sampler.py) in one pass or a few over each row's logits,

@@ -159,12 +159,15 @@ def _load(path: Path) -> ctypes.CDLL:
         for suffix in DTYPES.values():
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
-    mixed = getattr(lib, "paged_attention_f32_kv_bf16")    # float32 queries, bf16 cache
-    mixed.restype, mixed.argtypes = signatures["paged_attention"]
+    # float32 queries and a bfloat16 cache; either dtype's queries and an int8 cache
+    for name in ("paged_attention_f32_kv_bf16", "paged_attention_f32_kv_i8",
+                 "paged_attention_bf16_kv_i8"):
+        mixed = getattr(lib, name)
+        mixed.restype, mixed.argtypes = signatures["paged_attention"]
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
-    lib.store_kv.restype, lib.store_kv.argtypes = ctypes.c_int, store_argtypes
-    lib.store_kv_f32_to_bf16.restype = ctypes.c_int
-    lib.store_kv_f32_to_bf16.argtypes = store_argtypes
+    for name in ("store_kv", "store_kv_f32_to_bf16", "store_kv_i8_f32", "store_kv_i8_bf16"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, store_argtypes
     i32 = ctypes.c_int
     gemv_argtypes: list[Any] = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, ptr, i64, i64, ptr, i32,
                                 i64]
@@ -252,20 +255,26 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """torch_attention.store_kv: key/value [num_tokens, num_kv_heads, head_dim] (strided
     tokens and heads are fine) into the head-major caches at `slot_mapping` (int64); float32
-    rows into a bfloat16 cache are rounded as torch rounds."""
+    rows into a bfloat16 cache are rounded as torch rounds; into an int8 cache
+    ([heads, slots, head_dim + KV_I8_EXTRA]) quantized per row (`quantize_kv_rows`)."""
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     lib = library()
     assert lib is not None, build_error()
     for src, cache in ((key, k_cache), (value, v_cache)):
         assert src.shape[0] == slot_mapping.shape[0]
-        assert src.dtype == cache.dtype or (src.dtype, cache.dtype) == KV_BF16
+        assert (src.dtype == cache.dtype or (src.dtype, cache.dtype) == KV_BF16
+                or (src.dtype in DTYPES and cache.dtype == torch.int8))
         if src.stride(2) != 1:
             src = src.contiguous()
         size = src.element_size()
         heads, num_slots, head_dim = cache.shape
+        if cache.dtype == torch.int8:
+            head_dim -= KV_I8_EXTRA
         assert src.shape[1:] == (heads, head_dim)
-        store, row = ((lib.store_kv_f32_to_bf16, head_dim) if src.dtype != cache.dtype
+        store, row = ((getattr(lib, f"store_kv_i8_{DTYPES[src.dtype]}"), head_dim)
+                      if cache.dtype == torch.int8
+                      else (lib.store_kv_f32_to_bf16, head_dim) if src.dtype != cache.dtype
                       else (lib.store_kv, head_dim * size))
         if store(src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
                  slot_mapping.data_ptr(), src.shape[0], heads, row, num_slots,
@@ -357,6 +366,26 @@ GEMV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # (activations, KV cache) dtypes that differ and that the kernels take: float32 arithmetic
 # with a bfloat16 KV cache.
 KV_BF16 = (torch.float32, torch.bfloat16)
+# An int8 cache row: head_dim int8 values, then their float32 scale (cpu_ops.c KV_EXTRA).
+KV_I8_EXTRA = 4
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """What store_kv writes into an int8 cache, in torch (the reference): x [..., head_dim]
+    float32 or bfloat16 -> int8 rows [..., head_dim + 4]: with scale = amax * (1 / 127) (all
+    in float32), the values q = x * (1 / scale) rounded to nearest even, then the scale's 4
+    bytes (a row of zeros: all zero)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) * torch.tensor(1.0 / 127.0)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(xf * inv).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's rows [..., head_dim + 4] as float32 values [..., head_dim]."""
+    scale = rows[..., -KV_I8_EXTRA:].contiguous().view(torch.float32)
+    return rows[..., :-KV_I8_EXTRA].float() * scale
 
 
 # cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
@@ -642,15 +671,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tensors = (q, k_cache, v_cache, block_tables, table_rows, context_lens, q_rows, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
     assert q.dtype in DTYPES and out.dtype == q.dtype and k_cache.dtype == v_cache.dtype
-    assert k_cache.dtype == q.dtype or (q.dtype, k_cache.dtype) == KV_BF16
+    assert (k_cache.dtype == q.dtype or (q.dtype, k_cache.dtype) == KV_BF16
+            or k_cache.dtype == torch.int8)
     assert block_tables.dtype == table_rows.dtype == context_lens.dtype == torch.int32
     assert q_rows.dtype == torch.int64 and out.shape == q.shape
     max_blocks = block_tables.shape[1]
     num_kv_heads, num_slots, head_dim = k_cache.shape
+    if k_cache.dtype == torch.int8:
+        head_dim -= KV_I8_EXTRA
     num_heads = q.shape[1]
     num_entries = q_rows.shape[0]
     assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
     kernel = (_fn("paged_attention", q.dtype) if k_cache.dtype == q.dtype
+              else getattr(library(), f"paged_attention_{DTYPES[q.dtype]}_kv_i8")
+              if k_cache.dtype == torch.int8
               else _fn("paged_attention_f32_kv", k_cache.dtype))     # ..._f32_kv_bf16
     status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),

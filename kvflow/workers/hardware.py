@@ -24,7 +24,8 @@ import torch
 
 from kvflow.config import DTYPES
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.int8: "int8"}
 
 
 @functools.lru_cache(maxsize=1)

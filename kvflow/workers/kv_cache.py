@@ -24,8 +24,10 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         b = self.backend
-        num_kv_heads, head_dim = b.kv_shape
-        return 2 * self.num_layers * b.block_size * num_kv_heads * head_dim * b.kv_dtype.itemsize
+        elements = 1
+        for n in b.cache_shape(1):           # one block's K (or V) of one layer
+            elements *= n
+        return 2 * self.num_layers * elements * b.kv_dtype.itemsize
 
     def allocate(self, num_blocks: int) -> None:
         """A fresh cache of `num_blocks` blocks (0: none), replacing the one held."""

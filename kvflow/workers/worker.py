@@ -123,8 +123,14 @@ class Worker:
         """The KV cache's dtype: the arithmetic's, or bfloat16 under float32 (the cpu
         backend's kernels round K/V when storing and widen them when reading): with
         kv_cache_dtype="auto" where the weights are stored in bfloat16 (dtype="auto" on a
-        CPU without bfloat16 arithmetic, hardware.py), or with kv_cache_dtype="bfloat16"."""
+        CPU without bfloat16 arithmetic, hardware.py), or with kv_cache_dtype="bfloat16"; int8
+        (kv_cache_dtype="int8") on the cpu backend, under either arithmetic."""
         requested = self.config.cache.kv_cache_dtype
+        if requested == "int8":                  # rows quantized by the cpu backend's store
+            if backend != "cpu":
+                raise ValueError(f"kv_cache_dtype='int8' needs the cpu attention backend "
+                                 f"(kvflow's C kernels on CPU); here: the {backend!r} backend")
+            return torch.int8
         wanted = self.storage_dtype if requested == "auto" else getattr(torch, requested)
         if wanted == self.dtype or (wanted == torch.bfloat16 and self.dtype == torch.float32
                                     and backend == "cpu"):

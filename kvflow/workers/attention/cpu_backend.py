@@ -39,21 +39,25 @@ class CpuBackend(AttentionBackend):
     in flash-style tiles. float32 and bfloat16. On CPUs with AMX, bfloat16 prompts of
     SDPA_MIN_ROWS tokens or more go to torch's SDPA instead (the torch backend's prefill). The
     cache is asked for 2 MB pages (workers/huge_pages.py). The one backend whose cache
-    may be bfloat16 under float32 arithmetic (kv_dtype; the kernels round K/V when storing
-    and widen them when reading)."""
+    may be bfloat16 under float32 arithmetic, or int8 under either (kv_dtype; the kernels round
+    or quantize K/V when storing and widen them when reading; an int8 row is head_dim values
+    and their float32 scale, so cache_shape's last dimension is head_dim + 4)."""
     name = "cpu"
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         super().__init__(block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
-        from kvflow.kernels.cpu_ops import paged_attention, store_kv
+        from kvflow.kernels.cpu_ops import KV_I8_EXTRA, paged_attention, store_kv
         self._kernel, self._store = paged_attention, store_kv
-        self.sdpa_min_rows = (SDPA_MIN_ROWS if dtype == torch.bfloat16
+        # An int8 cache's rows carry their scale (cpu_ops.c KV_EXTRA); only the kernel reads it.
+        self._extra = KV_I8_EXTRA if self.kv_dtype == torch.int8 else 0
+        self.sdpa_min_rows = (SDPA_MIN_ROWS if dtype == torch.bfloat16 and not self._extra
                               and "amx_bf16" in cpu_flags() else 0)
         self._torch = TorchBackend(block_size, num_kv_heads, head_dim, dtype, device)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return cache_shape(num_blocks, self.block_size, *self.kv_shape)
+        num_kv_heads, head_dim = self.kv_shape
+        return cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim + self._extra)
 
     def build_metadata(self, slot_mapping: np.ndarray, decodes: list[SeqSpan],
                        prefills: list[SeqSpan]) -> CpuMetadata:
