@@ -467,14 +467,16 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
     if engine in ("kvflow-auto", "kvflow-auto-kv8"):    # bfloat16 weights, whatever the
-        # arithmetic (hardware.py);
-        # under float32 arithmetic one row reads them in 12-bit panels where use_panels12()
+        # arithmetic (hardware.py); under float32 arithmetic one row reads them in 12-bit
+        # panels where use_panels12()
         from kvflow.workers.layers.ops import use_panels12
         return "panels12" if auto_kind == "float32" and use_panels12() else "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
-    if engine in ("llamacpp-Q8_0-kv8", "kvflow-int8", "kvflow-int8-kv8"):
-        return "llamacpp-Q8_0" if engine.startswith("llamacpp") else "int8"
+    if engine in ("kvflow-int8", "kvflow-int8-kv8"):
+        return "int8"
+    if engine == "llamacpp-Q8_0-kv8":
+        return "llamacpp-Q8_0"
     if engine.startswith("llamacpp"):
         return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[engine.split("-")[1]]
     kind = FLOOR_KIND.get(engine, auto_kind)
@@ -557,8 +559,11 @@ def main() -> None:
                 kv_bytes = 2.0 if name.startswith("llamacpp") or kind != "float32" else 4.0
                 if name in ("kvflow-int8", "kvflow-auto"):      # dtype auto: a bfloat16 KV
                     kv_bytes = 2.0                              # cache on every CPU
-                if name.endswith("-kv8"):       # 8 bits a value and a scale a row (64)
-                    kv_bytes = 34 / 32 if name.startswith("llamacpp") else 68 / 64
+                if name.endswith("-kv8"):       # 8 bits a value, and a scale a row or 32
+                    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf[
+                        "num_attention_heads"]
+                    kv_bytes = (34 / 32 if name.startswith("llamacpp")
+                                else (head_dim + 4) / head_dim)
                 row["roofline_share"] = roofline_seconds(
                     hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
                     kv_bytes, bandwidth) / elapsed

@@ -37,7 +37,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (auto_kv_cache_gb), on CUDA what gpu_memory_utilization leaves after a profiling run.
     kv_cache_memory_gb: float | None
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"    # "bfloat16": also under float32 arithmetic (CPU)
+    kv_cache_dtype: str = "auto"    # "bfloat16": also under float32 arithmetic (CPU); "int8"
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,7 +199,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
-    kv_cache_dtype: str = "auto"          # or "bfloat16" (workers/worker.py _kv_dtype)
+    kv_cache_dtype: str = "auto"          # or "bfloat16", "int8" (worker.py _kv_dtype)
     load_format: str = "safetensors"      # or "dummy": random weights (benchmarks)
     attention_backend: str = "auto"
     num_threads: int | None = None        # None: workers/cpu_threads.py chooses, per node
@@ -256,6 +256,11 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError(f"kv_cache_dtype={o.kv_cache_dtype!r} must be one of "
                          f"{KV_CACHE_DTYPES} (no fp8 KV cache; int8 is the CPU's 8-bit one)")
     _check_execution(o.attention_backend, o.device, o.block_size, o.gpu_memory_utilization)
+    if o.kv_cache_dtype == "int8" and (o.device == "cuda"
+                                       or o.attention_backend not in ("auto", "cpu")):
+        raise ValueError(f"kv_cache_dtype='int8' needs the cpu attention backend (kvflow's C "
+                         f"kernels on CPU); got device={o.device!r}, attention_backend="
+                         f"{o.attention_backend!r}")
     if o.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")
     if o.quantization == "int8" and o.device == "cuda":

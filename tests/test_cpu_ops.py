@@ -202,15 +202,18 @@ def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype,
         assert len(items) == len(tiled) + 15 + 2 + 1
 
 
-@pytest.mark.parametrize("flags,dtype,to_sdpa", [
-    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.bfloat16, True),
-    ("avx512f avx512_bf16", torch.bfloat16, False),            # no AMX: every row in C
-    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.float32, False)])
+@pytest.mark.parametrize("flags,dtype,kv_dtype,to_sdpa", [
+    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.bfloat16, torch.bfloat16, True),
+    ("avx512f avx512_bf16", torch.bfloat16, torch.bfloat16, False),   # no AMX: all in C
+    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.float32, torch.float32, False),
+    ("avx512f avx512_bf16 amx_tile amx_bf16", torch.bfloat16, torch.int8, False)])
 def test_long_bfloat16_prompts_go_to_sdpa_with_amx(monkeypatch: pytest.MonkeyPatch, flags: str,
-                                                   dtype: torch.dtype, to_sdpa: bool) -> None:
+                                                   dtype: torch.dtype, kv_dtype: torch.dtype,
+                                                   to_sdpa: bool) -> None:
     """On a CPU with AMX, bfloat16 prompts of SDPA_MIN_ROWS tokens or more (one with a cached
     prefix among them) are attended by SDPA, the rest of the batch by the kernel, every row
-    where the torch backend puts it; elsewhere, and in float32, the kernel does them all."""
+    where the torch backend puts it; elsewhere, in float32, and over an int8 cache (which only
+    the kernel reads), the kernel does them all."""
     from kvflow.workers.attention.cpu_backend import SDPA_MIN_ROWS
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
     bs, kv_heads, heads, d = 16, 3, 9, 64
@@ -221,22 +224,22 @@ def test_long_bfloat16_prompts_go_to_sdpa_with_amx(monkeypatch: pytest.MonkeyPat
     decodes = [s for s in spans if s.num_query_tokens == 1]
     prefills = [s for s in spans if s.num_query_tokens > 1]
     slots = np.zeros(sum(q_lens), dtype=np.int64)
-    fast = CpuBackend(bs, kv_heads, d, dtype, CPU)
+    fast = CpuBackend(bs, kv_heads, d, dtype, CPU, kv_dtype)
     ref = TorchBackend(bs, kv_heads, d, torch.float32, CPU)
-    k_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
-    v_cache = torch.randn(fast.cache_shape(num_blocks)).to(dtype)
+    k_cache, k_ref = _cache(fast, num_blocks, kv_dtype)
+    v_cache, v_ref = _cache(fast, num_blocks, kv_dtype)
     q = torch.randn(sum(q_lens), heads, d).to(dtype)
     meta = fast.build_metadata(slots, decodes, prefills)
     assert len(meta.sdpa_prefills) == (2 if to_sdpa else 0)
     assert meta.q_rows.numel() == sum(q_lens) - (2 * SDPA_MIN_ROWS + 30 if to_sdpa else 0)
     out = fast.attend(q, k_cache, v_cache, meta, 0.125)
-    expected = ref.attend(q.float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, decodes, prefills), 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
     only = fast.build_metadata(slots[:SDPA_MIN_ROWS], [], [spans[1]._replace(first_row=0)])
     assert only.q_rows.numel() == (0 if to_sdpa else SDPA_MIN_ROWS)   # nothing for the kernel
     out = fast.attend(q[:SDPA_MIN_ROWS], k_cache, v_cache, only, 0.125)
-    expected = ref.attend(q[:SDPA_MIN_ROWS].float(), k_cache.float(), v_cache.float(),
+    expected = ref.attend(q[:SDPA_MIN_ROWS].float(), k_ref, v_ref,
                           ref.build_metadata(slots[:SDPA_MIN_ROWS], [],
                                              [spans[1]._replace(first_row=0)]), 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
@@ -339,11 +342,12 @@ def test_store_kv_matches_torch(kernels: str, dtype: torch.dtype, kv_dtype: torc
 
 def test_kernels_refuse_indices_outside_their_tensors() -> None:
     """A bad slot or table entry raises instead of writing or reading out of bounds (float32
-    rows into a float32 cache, and into a bfloat16 one)."""
+    rows into a float32 cache, into a bfloat16 one and into an int8 one)."""
     cache = torch.zeros(2, 64, 16)                   # 4 blocks of 16 slots
     rows = torch.randn(3, 2, 16)
+    int8 = torch.zeros(2, 64, 16 + cpu_ops.KV_I8_EXTRA, dtype=torch.int8)
     for bad in (64, -1):
-        for target in (cache, cache.bfloat16()):
+        for target in (cache, cache.bfloat16(), int8):
             with pytest.raises(IndexError, match="slot"):
                 cpu_ops.store_kv(rows, rows, target, target.clone(), torch.tensor([0, bad, 5]))
             assert target.abs().sum() == 0           # nothing written on refusal
@@ -356,9 +360,10 @@ def test_kernels_refuse_indices_outside_their_tensors() -> None:
     for field, value in (("table_rows", [0, 2]), ("context_lens", [0, 5]),
                          ("context_lens", [5, 33]), ("q_rows", [2, 0])):
         bad = dict(good, **{field: torch.tensor(value, dtype=good[field].dtype)})
-        with pytest.raises(IndexError, match="outside"):
-            cpu_ops.paged_attention(q, cache, cache, table, block_size=16, scale=1.0,
-                                    out=out, **bad)
+        for k_cache in (cache, int8):
+            with pytest.raises(IndexError, match="outside"):
+                cpu_ops.paged_attention(q, k_cache, k_cache, table, block_size=16, scale=1.0,
+                                        out=out, **bad)
     with pytest.raises(IndexError, match="outside"):
         cpu_ops.paged_attention(q, cache, cache, torch.tensor([[0, 1], [2, 4]],
                                                                dtype=torch.int32),

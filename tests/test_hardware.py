@@ -104,8 +104,9 @@ def test_kv_cache_dtype_option(default_model: str) -> None:
     int8 = Worker(config(kv_cache_dtype="int8"))
     assert (int8.dtype, int8.kv_cache.tensor.dtype) == (torch.float32, torch.int8)
     assert int8.kv_cache.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 4)
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' needs the cpu attention"):
-        Worker(config(kv_cache_dtype="int8", attention_backend="torch"))
+    for other in (dict(attention_backend="torch"), dict(device="cuda")):   # before any worker
+        with pytest.raises(ValueError, match="kv_cache_dtype='int8' needs the cpu attention"):
+            make_engine_config(default_model, kv_cache_dtype="int8", **other)
     # auto on the torch backend stays in the arithmetic's dtype (no kernel for the mix).
     fallback = Worker(config(attention_backend="torch"))
     assert fallback.kv_cache.tensor.dtype == torch.float32

@@ -48,7 +48,7 @@ int paged_attention_f32_kv_bf16(const float *q, const uint16_t *k_cache,
 int store_kv_i8_##S(const char *src, int64_t token_stride, int64_t head_stride,               \
                     const int64_t *slots, int64_t num_tokens, int64_t heads, int64_t head_dim, \
                     int64_t num_slots, int8_t *cache);                                        \
-int paged_attention_##S##_kv_i8(const T *q, const int8_t *k_cache, const int8_t *v_cache,     \
+int paged_attention_kv_i8_##S(const T *q, const int8_t *k_cache, const int8_t *v_cache,     \
                                 const int32_t *block_tables, int64_t num_tables,              \
                                 const int32_t *table_rows, const int32_t *context_lens,      \
                                 const int64_t *q_rows, int64_t num_q_rows, int64_t num_entries, \
@@ -105,7 +105,7 @@ typedef struct {
     const void *input_norm, *post_norm;   /* [hidden], model dtype */
     const void *q_norm, *k_norm;          /* [head_dim] (Qwen3), or NULL */
     Linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;              /* [num_kv_heads, num_slots, head_dim] */
+    void *k_cache, *v_cache;              /* [num_kv_heads, num_slots, head_dim (+ 4: int8)] */
 } DecodeLayer;
 
 typedef struct {
@@ -160,10 +160,6 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
 #define DISPATCH(s, OP, ...)                                                                  \
     ((s)->dtype == D_F32 ? OP##_f32(__VA_ARGS__) : OP##_bf16(__VA_ARGS__))
 
-#define DISPATCH_KV_I8(s, ...)                                                                \
-    ((s)->dtype == D_F32 ? paged_attention_f32_kv_i8(__VA_ARGS__)                              \
-                         : paged_attention_bf16_kv_i8(__VA_ARGS__))
-
 static void norm_input(const DecodeStep *s, const void *w, int first) {
     const int64_t T = s->num_tokens, H = s->hidden;
     if (first) {
@@ -202,11 +198,8 @@ static int store_rows(const DecodeStep *s, const char *src, int64_t token_stride
                       int64_t heads, void *cache) {
     const int64_t d = s->head_dim, e = esize(s->dtype);
     if (s->kv_dtype == D_I8)
-        return s->dtype == D_F32
-            ? store_kv_i8_f32(src, token_stride, d * e, s->slots, s->num_tokens, heads, d,
-                              s->num_slots, cache)
-            : store_kv_i8_bf16(src, token_stride, d * e, s->slots, s->num_tokens, heads, d,
-                               s->num_slots, cache);
+        return DISPATCH(s, store_kv_i8, src, token_stride, d * e, s->slots, s->num_tokens,
+                        heads, d, s->num_slots, cache);
     if (s->kv_dtype != s->dtype)
         return store_kv_f32_to_bf16(src, token_stride, d * e, s->slots, s->num_tokens, heads,
                                     d, s->num_slots, cache);
@@ -235,9 +228,10 @@ int decode_attention(const DecodeLayer *L, DecodeStep *s) {
         return 3;
     const int status =
         s->kv_dtype == D_I8                       /* an int8 cache */
-            ? DISPATCH_KV_I8(s, s->q, L->k_cache, L->v_cache, s->block_tables, s->num_tables,
-                             s->table_rows, s->context_lens, s->q_rows, T, T, s->max_blocks,
-                             nh, nkv, d, s->block_size, s->num_slots, s->scale, s->attn)
+            ? DISPATCH(s, paged_attention_kv_i8, s->q, L->k_cache, L->v_cache, s->block_tables,
+                       s->num_tables, s->table_rows, s->context_lens, s->q_rows, T, T,
+                       s->max_blocks, nh, nkv, d, s->block_size, s->num_slots, s->scale,
+                       s->attn)
         : s->kv_dtype != s->dtype                 /* float32 queries, a bfloat16 cache */
             ? paged_attention_f32_kv_bf16(s->q, L->k_cache, L->v_cache, s->block_tables,
                                           s->num_tables, s->table_rows, s->context_lens,

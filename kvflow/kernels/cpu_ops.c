@@ -10,7 +10,8 @@
  * tiles").
  *
  * Cache layout (the torch backend's, head-major): [num_kv_heads, num_slots, head_dim] with
- * slot = block_id * block_size + offset. Work is split over (query row or tile, KV head) pairs
+ * slot = block_id * block_size + offset; an int8 cache's rows are head_dim values and their
+ * float32 scale, [num_kv_heads, num_slots, head_dim + 4] (KV_EXTRA). Work is split over (query row or tile, KV head) pairs
  * with OpenMP; linked against the libgomp that torch has loaded, it shares torch's thread pool.
  *
  * Built by kvflow/kernels/cpu_ops.py (cc -O3 -march=native -ffast-math -fopenmp).
@@ -845,9 +846,9 @@ DEFINE_TASK(row_task_i8, int8_t, i8_to_f32)
 DEFINE_ROW_TASK(row_task_vec_i8, int8_t, loadv_i8)
 DEFINE_TILE_TASK(tile_task_f32_kv_i8, float, f32_to_f32, f32_to_f32, int8_t, i8_to_f32)
 DEFINE_TILE_TASK(tile_task_bf16_kv_i8, uint16_t, bf16_to_f32, f32_to_bf16, int8_t, i8_to_f32)
-DEFINE_KERNEL(paged_attention_f32_kv_i8, row_task_i8, row_task_vec_i8, tile_task_f32_kv_i8,
+DEFINE_KERNEL(paged_attention_kv_i8_f32, row_task_i8, row_task_vec_i8, tile_task_f32_kv_i8,
               float, f32_to_f32, f32_to_f32, int8_t)
-DEFINE_KERNEL(paged_attention_bf16_kv_i8, row_task_i8, row_task_vec_i8, tile_task_bf16_kv_i8,
+DEFINE_KERNEL(paged_attention_kv_i8_bf16, row_task_i8, row_task_vec_i8, tile_task_bf16_kv_i8,
               uint16_t, bf16_to_f32, f32_to_bf16, int8_t)
 
 /* --- elementwise ops, with the roundings of the torch ops they replace ----------------------
@@ -1107,10 +1108,14 @@ int NAME(const char *src, int64_t token_stride, int64_t head_stride, const int64
                 const float a = fabsf(LOAD(row[d]));                                          \
                 amax = a > amax ? a : amax;                                                   \
             }                                                                                 \
-            /* no division by a constant: -ffast-math would turn it into a product */         \
-            const float scale = amax * (1.0f / 127.0f), inv = scale > 0.0f ? 1.0f / scale : 0.0f; \
-            for (int64_t d = 0; d < head_dim; d++)                                            \
-                dst[d] = (int8_t)nearbyintf(LOAD(row[d]) * inv);                              \
+            /* no division by a constant: -ffast-math would turn it into a product; a scale \
+             * below FLT_MIN (a row of ~0) stores zeros, whose 1 / scale would overflow */     \
+            const float scale = amax * (1.0f / 127.0f);                                       \
+            const float inv = scale >= FLT_MIN ? 1.0f / scale : 0.0f;                         \
+            for (int64_t d = 0; d < head_dim; d++) {                                          \
+                const float v = LOAD(row[d]) * inv;                                           \
+                dst[d] = (int8_t)nearbyintf(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v); \
+            }                                                                                 \
             memcpy(dst + head_dim, &scale, sizeof scale);                                     \
         }                                                                                     \
     return 0;                                                                                 \

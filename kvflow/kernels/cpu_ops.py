@@ -160,8 +160,8 @@ def _load(path: Path) -> ctypes.CDLL:
             fn = getattr(lib, f"{op}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
     # float32 queries and a bfloat16 cache; either dtype's queries and an int8 cache
-    for name in ("paged_attention_f32_kv_bf16", "paged_attention_f32_kv_i8",
-                 "paged_attention_bf16_kv_i8"):
+    for name in ("paged_attention_f32_kv_bf16", "paged_attention_kv_i8_f32",
+                 "paged_attention_kv_i8_bf16"):
         mixed = getattr(lib, name)
         mixed.restype, mixed.argtypes = signatures["paged_attention"]
     store_argtypes: list[Any] = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
@@ -268,9 +268,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         if src.stride(2) != 1:
             src = src.contiguous()
         size = src.element_size()
-        heads, num_slots, head_dim = cache.shape
-        if cache.dtype == torch.int8:
-            head_dim -= KV_I8_EXTRA
+        heads, num_slots, head_dim = cache_rows(cache)
         assert src.shape[1:] == (heads, head_dim)
         store, row = ((getattr(lib, f"store_kv_i8_{DTYPES[src.dtype]}"), head_dim)
                       if cache.dtype == torch.int8
@@ -376,10 +374,18 @@ def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
     in float32), the values q = x * (1 / scale) rounded to nearest even, then the scale's 4
     bytes (a row of zeros: all zero)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) * torch.tensor(1.0 / 127.0)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(xf * inv).to(torch.int8)
+    scale = xf.abs().amax(dim=-1, keepdim=True) * torch.tensor(1.0 / 127.0,
+                                                                dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny               # a row of ~0: zeros (cpu_ops.c)
+    inv = torch.where(scale >= tiny, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(xf * inv).clamp(-127, 127).to(torch.int8)
     return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def cache_rows(cache: torch.Tensor) -> tuple[int, int, int]:
+    """A head-major cache's (heads, slots, head_dim): an int8 cache's rows are longer."""
+    heads, num_slots, row = cache.shape
+    return heads, num_slots, row - (KV_I8_EXTRA if cache.dtype == torch.int8 else 0)
 
 
 def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -664,7 +670,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q, out: [num_rows, num_heads, head_dim] contiguous; only the rows named in q_rows are
     written. Caches: [num_kv_heads, num_slots, head_dim] (head-major, slot = block id *
-    block_size + offset). block_tables: [num_tables, max_blocks] int32, every entry a block
+    block_size + offset), of q's dtype, bfloat16 under float32 q, or int8 under either
+    ([..., head_dim + KV_I8_EXTRA]: each row's values, then its scale). block_tables: [num_tables, max_blocks] int32, every entry a block
     id (pad with 0); table_rows, context_lens: [num_entries] int32; q_rows: [num_entries]
     int64.
     """
@@ -676,15 +683,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert block_tables.dtype == table_rows.dtype == context_lens.dtype == torch.int32
     assert q_rows.dtype == torch.int64 and out.shape == q.shape
     max_blocks = block_tables.shape[1]
-    num_kv_heads, num_slots, head_dim = k_cache.shape
-    if k_cache.dtype == torch.int8:
-        head_dim -= KV_I8_EXTRA
+    num_kv_heads, num_slots, head_dim = cache_rows(k_cache)
     num_heads = q.shape[1]
     num_entries = q_rows.shape[0]
     assert q.shape[2] == head_dim and context_lens.shape == table_rows.shape == (num_entries,)
     kernel = (_fn("paged_attention", q.dtype) if k_cache.dtype == q.dtype
-              else getattr(library(), f"paged_attention_{DTYPES[q.dtype]}_kv_i8")
-              if k_cache.dtype == torch.int8
+              else _fn("paged_attention_kv_i8", q.dtype) if k_cache.dtype == torch.int8
               else _fn("paged_attention_f32_kv", k_cache.dtype))     # ..._f32_kv_bf16
     status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),

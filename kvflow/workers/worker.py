@@ -21,7 +21,8 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers import cpu_threads, huge_pages
-from kvflow.workers.attention import AttentionBackend, make_backend, resolve_backend
+from kvflow.workers.attention import (AttentionBackend, cpu_kernels_usable, make_backend,
+                                      resolve_backend)
 from kvflow.workers.draft_model import DraftModel, Drafter, DraftReceiver
 from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.greedy_head import GreedyHead
@@ -128,8 +129,10 @@ class Worker:
         requested = self.config.cache.kv_cache_dtype
         if requested == "int8":                  # rows quantized by the cpu backend's store
             if backend != "cpu":
+                why = cpu_kernels_usable(self.dtype) if self.device.type == "cpu" else None
                 raise ValueError(f"kv_cache_dtype='int8' needs the cpu attention backend "
-                                 f"(kvflow's C kernels on CPU); here: the {backend!r} backend")
+                                 f"(kvflow's C kernels on CPU); here: the {backend!r} backend"
+                                 + (f" ({why})" if why else ""))
             return torch.int8
         wanted = self.storage_dtype if requested == "auto" else getattr(torch, requested)
         if wanted == self.dtype or (wanted == torch.bfloat16 and self.dtype == torch.float32

@@ -73,8 +73,8 @@ def _triton_interpreting() -> bool:
 def make_backend(name: str, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device,
                  kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """`kv_dtype`: the cache's, if not `dtype` (bfloat16 under float32, which only the `cpu`
-    backend reads: Worker._kv_dtype decides)."""
+    """`kv_dtype`: the cache's, if not `dtype` (bfloat16 under float32, or int8 under either,
+    which only the `cpu` backend reads: Worker._kv_dtype decides)."""
     if kv_dtype in (None, dtype):
         return BACKENDS[name](block_size, num_kv_heads, head_dim, dtype, device)
     assert name == "cpu", f"the {name!r} backend reads a cache of its arithmetic's dtype only"
