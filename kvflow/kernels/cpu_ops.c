@@ -11,8 +11,9 @@
  *
  * Cache layout (the torch backend's, head-major): [num_kv_heads, num_slots, head_dim] with
  * slot = block_id * block_size + offset; an int8 cache's rows are head_dim values and their
- * float32 scale, [num_kv_heads, num_slots, head_dim + 4] (KV_EXTRA). Work is split over (query row or tile, KV head) pairs
- * with OpenMP; linked against the libgomp that torch has loaded, it shares torch's thread pool.
+ * float32 scale, [num_kv_heads, num_slots, head_dim + 4] (KV_EXTRA). Work is split over
+ * (query row or tile, KV head) pairs with OpenMP; linked against the libgomp that torch has
+ * loaded, it shares torch's thread pool.
  *
  * Built by kvflow/kernels/cpu_ops.py (cc -O3 -march=native -ffast-math -fopenmp).
  * -ffast-math is safe here: every value is finite (the row kernels visit only visible keys,
@@ -1090,7 +1091,8 @@ int store_kv_f32_to_bf16(const char *src, int64_t token_stride, int64_t head_str
 /* store_kv into an int8 cache (rows of int8 values and their float32 scale, KV_EXTRA): each
  * float32 or bfloat16 row (strides in bytes, as store_kv's) by its largest magnitude:
  * scale = amax * (1 / 127), q = x * (1 / scale) rounded to nearest even (0 for a row of
- * zeros), as cpu_ops.quantize_kv_rows computes them. */
+ * zeros), as cpu_ops.quantize_kv_rows computes them (-ffast-math may evaluate the product as
+ * x / scale: a value a rounding from a tie may land a step apart). */
 #define DEFINE_STORE_I8(NAME, T, LOAD)                                                        \
 int NAME(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,   \
          int64_t num_tokens, int64_t heads, int64_t head_dim, int64_t num_slots,             \

@@ -671,9 +671,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q, out: [num_rows, num_heads, head_dim] contiguous; only the rows named in q_rows are
     written. Caches: [num_kv_heads, num_slots, head_dim] (head-major, slot = block id *
     block_size + offset), of q's dtype, bfloat16 under float32 q, or int8 under either
-    ([..., head_dim + KV_I8_EXTRA]: each row's values, then its scale). block_tables: [num_tables, max_blocks] int32, every entry a block
-    id (pad with 0); table_rows, context_lens: [num_entries] int32; q_rows: [num_entries]
-    int64.
+    ([..., head_dim + KV_I8_EXTRA]: each row's values, then its scale). block_tables:
+    [num_tables, max_blocks] int32, every entry a block id (pad with 0); table_rows,
+    context_lens: [num_entries] int32; q_rows: [num_entries] int64.
     """
     tensors = (q, k_cache, v_cache, block_tables, table_rows, context_lens, q_rows, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
