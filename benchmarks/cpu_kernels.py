@@ -105,38 +105,27 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             place = in_pages(args)                  # one arena for all copies, as the engine
             copies = [place(weight.clone()) for _ in range(max(2, min(400, 2**30 // nbytes)))]
             ours = timed(lambda: [cpu_ops.gemv(x, c, scales) for c in copies], 3)
-            tiles = "-"                      # bf16 in the AMX layout, where the CPU has it
-            if dtype == torch.bfloat16 and cpu_ops.pack_amx(weight) is not None:
+
+            def packed_gbs(pack: Callable, xs: torch.Tensor, layout: str,
+                           with_scales: bool = False) -> str:
+                """GB/s of the copies packed by `pack` into `layout` ("-" where it refuses)."""
+                if pack(weight) is None:
+                    return "-"
                 place = in_pages(args)
-                packed = [place(cpu_ops.pack_amx(c)) for c in copies]
-                t = timed(lambda: [cpu_ops.gemv(x, p, layout="amx") for p in packed], 3)
-                tiles = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                del packed
-            # bf16 in panels under float32 x (no AVX512-BF16), and in 12-bit panels; int8 panels
-            bf16_panels = {"panels": "-", "panels12": "-"}
-            for layout, pack in (("panels", cpu_ops.pack_panels),
-                                 ("panels12", cpu_ops.pack_panels12)):
-                if dtype == torch.bfloat16 and pack(weight) is not None:
-                    place, xf = in_pages(args), x.float()
-                    packed = [place(pack(c)) for c in copies]
-                    t = timed(lambda: [cpu_ops.gemv(xf, p, layout=layout) for p in packed], 3)
-                    bf16_panels[layout] = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                    del packed
-            panels, panels12 = bf16_panels["panels"], bf16_panels["panels12"]
-            pairs = "-"                      # bf16 pair panels, bf16 x (AVX512-BF16)
-            if dtype == torch.bfloat16 and cpu_ops.pack_pairs(weight) is not None:
-                place = in_pages(args)
-                packed = [place(cpu_ops.pack_pairs(c)) for c in copies]
-                t = timed(lambda: [cpu_ops.gemv(x, p, layout="pairs") for p in packed], 3)
-                pairs = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                del packed
-            if dtype == torch.int8 and cpu_ops.pack_i8_panels(weight) is not None:
-                place = in_pages(args)
-                packed = [place(cpu_ops.pack_i8_panels(c)) for c in copies]  # int8 panels
-                t = timed(lambda: [cpu_ops.gemv(x, p, scales, layout="panels")
-                                   for p in packed], 3)
-                panels = f"{len(copies) * nbytes / t / 1e9:.1f}"
-                del packed
+                packed = [place(pack(c)) for c in copies]
+                sc = scales if with_scales else None
+                t = timed(lambda: [cpu_ops.gemv(xs, p, sc, layout=layout) for p in packed], 3)
+                return f"{len(copies) * nbytes / t / 1e9:.1f}"
+
+            bf16 = dtype == torch.bfloat16
+            # bf16 in the AMX layout, where the CPU has it; in panels under float32 x (no
+            # AVX512-BF16) and in 12-bit panels; in pair panels under bf16 x (AVX512-BF16)
+            tiles = packed_gbs(cpu_ops.pack_amx, x, "amx") if bf16 else "-"
+            panels = packed_gbs(cpu_ops.pack_panels, x.float(), "panels") if bf16 else "-"
+            panels12 = packed_gbs(cpu_ops.pack_panels12, x.float(), "panels12") if bf16 else "-"
+            pairs = packed_gbs(cpu_ops.pack_pairs, x, "pairs") if bf16 else "-"
+            if dtype == torch.int8:                                          # int8 panels
+                panels = packed_gbs(cpu_ops.pack_i8_panels, x, "panels", with_scales=True)
             theirs = "-"
             # oneDNN's int8 GEMM quantizes x: not comparable; it has no bfloat16 path on AVX2
             if dtype != torch.int8 and onednn.works(dtype):
