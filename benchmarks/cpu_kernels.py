@@ -90,7 +90,8 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
           f"{'2 MB pages, as the engine holds them' if args.huge_pages else 'torch allocations'}")
     print(f"{'shape':10s}{'weights':>9s}{'MB':>7s}{'gemv GB/s':>11s}{'of read':>9s}"
           f"{'AMX tiles GB/s':>16s}{'panels GB/s':>13s}{'12-bit GB/s':>13s}"
-          f"{'pairs GB/s':>12s}{'oneDNN GB/s':>13s}")
+          f"{'pairs GB/s':>12s}{'12-bit pairs':>14s}{'oneDNN GB/s':>13s}")
+    print("(packed layouts' GB/s: of the bfloat16 weights' bytes, whatever bytes they read)")
     onednn = OneDnnLinear()
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
         for name, (n, k) in GEMV_SHAPES.items():
@@ -120,10 +121,13 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             bf16 = dtype == torch.bfloat16
             # bf16 in the AMX layout, where the CPU has it; in panels under float32 x (no
             # AVX512-BF16) and in 12-bit panels; in pair panels under bf16 x (AVX512-BF16)
+            # and, at one row, in 12-bit pair panels
             tiles = packed_gbs(cpu_ops.pack_amx, x, "amx") if bf16 else "-"
             panels = packed_gbs(cpu_ops.pack_panels, x.float(), "panels") if bf16 else "-"
             panels12 = packed_gbs(cpu_ops.pack_panels12, x.float(), "panels12") if bf16 else "-"
             pairs = packed_gbs(cpu_ops.pack_pairs, x, "pairs") if bf16 else "-"
+            pairs12 = (packed_gbs(cpu_ops.pack_pairs12, x, "pairs12") if bf16 and args.rows == 1
+                       else "-")
             if dtype == torch.int8:                                          # int8 panels
                 panels = packed_gbs(cpu_ops.pack_i8_panels, x, "panels", with_scales=True)
             theirs = "-"
@@ -136,7 +140,7 @@ def gemv_bandwidth(args: argparse.Namespace) -> None:
             gbs = len(copies) * nbytes / ours / 1e9
             print(f"{name:10s}{str(dtype)[6:]:>9s}{nbytes / 1e6:7.1f}{gbs:11.1f}"
                   f"{gbs / read:9.0%}{tiles:>16s}{panels:>13s}{panels12:>13s}{pairs:>12s}"
-                  f"{theirs:>13s}",
+                  f"{pairs12:>14s}{theirs:>13s}",
                   flush=True)
             del copies
 

@@ -15,9 +15,10 @@ of its floor.
   (tokens - 1). Every server is up at once and each request goes to all of them in turn
   (the order rotating), so a drift in the machine's speed falls on every engine alike
   (`--single-apart`: one server after the other, for less memory). Floor: the bytes of
-  the weights a token reads (the engine's weight type; kvflow's greedy tokens on 12-bit
-  panels read an int8 copy of the LM head) over this
-  machine's read bandwidth (a sum over 1 GiB, more than any cache here).
+  the weights a token reads (the engine's weight type; kvflow-auto's one-row steps read the
+  12-bit copies it holds of its panels or pair panels, and its greedy tokens on 12-bit
+  panels an int8 copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB,
+  more than any cache here).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
@@ -88,7 +89,8 @@ FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
 # byte and a float32 scale per row of hundreds).
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
                 "llamacpp-Q8_0": 34 / 32,
-                "panels12": 1.5 + 16 / 1024}   # 12 bits a weight, a 16-byte table a 1024
+                "panels12": 1.5 + 16 / 1024,   # 12 bits a weight, a 16-byte table a 1024
+                "pairs12": 1.5 + 16 / 1024}
 ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
                         MKL_ENABLE_INSTRUCTIONS="AVX2", KVFLOW_KERNEL_ISA="avx2",
                         KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c bmi2"),
@@ -467,10 +469,15 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
     if engine in ("kvflow-auto", "kvflow-auto-kv8"):    # bfloat16 weights, whatever the
-        # arithmetic (hardware.py); under float32 arithmetic one row reads them in 12-bit
-        # panels where use_panels12()
-        from kvflow.workers.layers.ops import use_panels12
-        return "panels12" if auto_kind == "float32" and use_panels12() else "bfloat16"
+        # arithmetic (hardware.py); one row reads them in 12 bits: under float32 arithmetic
+        # in 12-bit panels where use_panels12(), under bfloat16 in 12-bit pair panels where
+        # the CPU multiplies pairs (AVX512-BF16, no AMX) and use_pairs12()
+        from kvflow.kernels import cpu_ops
+        from kvflow.workers.layers.ops import use_panels12, use_pairs12
+        if auto_kind == "float32" and use_panels12():
+            return "panels12"
+        pairs = cpu_ops.pairs_available() and cpu_ops.gemv_amx_rows() == 0
+        return "pairs12" if auto_kind == "bfloat16" and pairs and use_pairs12() else "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
     if engine in ("kvflow-int8", "kvflow-int8-kv8"):

@@ -675,6 +675,47 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
                                cpu_ops.gemv(xb, panels, None, bias, layout="panels"))
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 2), (96, 602), (64, 70),
+                                 (160, 64)])
+def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) -> None:
+    """Pair panels in 12 bits a weight (pack_pairs12), where the build has AVX512-BF16: one
+    row of bfloat16 x gives the pair panels' bits (which test_gemv_pair_layout_matches_torch
+    checks against float64 torch): four panels a call and a range's last ones alone (160
+    outputs: 5 panels), a group whole in some panels and not in others, with the bias,
+    float32 and bfloat16 output, K not a multiple of a group. Gaussian weights take under 80%
+    of the bfloat16 bytes. More rows, float32 x, odd K, outputs that are not a multiple of
+    the panel and float32 weights are refused; a build without AVX512-BF16 packs nothing."""
+    w = torch.randn(n, k).bfloat16()
+    if not _pairs_here(kernels):
+        assert cpu_ops.pack_pairs12(w) is None
+        return
+    spread = (torch.randn(n, k) * 2.0 ** torch.randint(-60, 60, (n, k)).float()).bfloat16()
+    spread[:, : k // 2] = w[:, : k // 2]               # some groups plain, some whole
+    mixed = w.clone()                                  # one group plain in some panels,
+    mixed[16:32] = spread[16:32]                       # whole in others (the first panel's
+    mixed[32:48] = spread[32:48]                       # second vector, the second's first)
+    bias = torch.randn(n)
+    assert cpu_ops.pack_pairs12(w[: n - 8]) is None and cpu_ops.pack_pairs12(w.float()) is None
+    assert cpu_ops.pack_pairs12(w[:, : k - 1].contiguous()) is None
+    for weight, whole in ((w, False), (spread, True), (mixed, n > 32 and k > 2)):
+        pairs, packed = cpu_ops.pack_pairs(weight), cpu_ops.pack_pairs12(weight)
+        assert pairs is not None and packed is not None and packed.dtype == torch.uint8
+        assert packed.shape[0] == n
+        if whole:
+            assert _whole_groups(packed) > 0
+        elif k > 2:
+            assert packed.numel() < 0.8 * 2 * n * k
+        x = torch.randn(1, k).bfloat16()
+        for b, out in ((bias, torch.float32), (None, torch.bfloat16)):
+            want = cpu_ops.gemv(x, pairs, None, b, out_dtype=out, layout="pairs")
+            got = cpu_ops.gemv(x, packed, None, b, out_dtype=out, layout="pairs12")
+            assert torch.equal(got, want), (b is None, out)
+        with pytest.raises(RuntimeError, match="pairs12"):                   # one row only
+            cpu_ops.gemv(torch.randn(2, k).bfloat16(), packed, layout="pairs12")
+        with pytest.raises(RuntimeError, match="pairs12"):                   # x must be bf16
+            cpu_ops.gemv(x.float(), packed, layout="pairs12")
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 13, 32, 33, 70])
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 1536), (32, 2), (96, 602)])
 def test_gemv_int8_panel_layout_gives_the_row_major_bits(kernels: str, m: int, n: int,
@@ -779,7 +820,37 @@ def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
     assert calls == ["panels12", "panels"]
 
 
-@pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels", "pairs"])
+def test_gemv_linear_reads_12_bit_pair_panels_for_one_row(kernels: str) -> None:
+    """With pack_pairs12 (bfloat16 arithmetic, AVX512-BF16), GemvLinear keeps a second copy
+    of each pair-paneled weight in 12 bits and reads it for one row only: the same bits as
+    the pair panels, which more rows keep reading; the fused decode path gets the copy."""
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
+    inner = OneDnnLinear() if OneDnnLinear.works(torch.bfloat16) else LinearMethod()
+    plain = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64)
+    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64,
+                        pack_pairs12=cpu_ops.pack_pairs12)
+    assert "12-bit" in method.name and "12-bit" not in plain.name
+    w = torch.randn(96, 64).bfloat16()
+    prepared, reference = method.prepare(w), plain.prepare(w)
+    if prepared.layout != "pairs":                 # no AVX512-BF16 in this build, or no oneDNN
+        assert prepared.one_row is None
+        assert not _pairs_here(kernels) or not OneDnnLinear.works(torch.bfloat16)
+        return
+    assert prepared.one_row is not None and reference.one_row is None
+    assert gemv_operands(prepared).one_row is prepared.one_row
+    bias = torch.randn(96)
+    for m in (1, 2, 7):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(method.apply(x, w, prepared, bias), plain.apply(x, w, reference, bias))
+    calls: list[str] = []
+    method.gemv = lambda *a, layout="rows": calls.append(layout) or cpu_ops.gemv(*a, layout=layout)
+    method.apply(torch.randn(1, 64).bfloat16(), w, prepared)
+    method.apply(torch.randn(2, 64).bfloat16(), w, prepared)
+    assert calls == ["pairs12", "pairs"]
+
+
+@pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels", "pairs", "pairs12"])
 def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layout: str) -> None:
     """Panels are shared out by work stealing (cpu_gemv.c shares_claim: a thread done with
     its own share takes groups from the back of the others'): with more threads than cores
@@ -792,8 +863,9 @@ def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layou
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scales = torch.rand(n) / 50 + 1e-3
         packed, name = cpu_ops.pack_i8_panels(q), "panels"
-    elif layout == "pairs":
-        scales, packed, name = None, cpu_ops.pack_pairs(w.bfloat16()), "pairs"
+    elif layout in ("pairs", "pairs12"):
+        pack = cpu_ops.pack_pairs if layout == "pairs" else cpu_ops.pack_pairs12
+        scales, packed, name = None, pack(w.bfloat16()), layout
         if not _pairs_here(kernels):                   # a build without AVX512-BF16
             assert packed is None
             return
@@ -805,9 +877,9 @@ def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layou
     bias = torch.randn(n)
     threads = torch.get_num_threads()
     try:
-        for m in (1, 3, 9):
+        for m in ((1,) if layout == "pairs12" else (1, 3, 9)):      # 12-bit pairs: one row
             x = torch.randn(m, k)
-            x = x.bfloat16() if layout == "pairs" else x
+            x = x.bfloat16() if layout.startswith("pairs") else x
             results = []
             for t in (1, 2, 7, 7, 7):
                 torch.set_num_threads(t)
@@ -834,6 +906,27 @@ def test_one_row_12_bit_panels_are_chosen_by_the_cpu(monkeypatch: pytest.MonkeyP
         assert isinstance(linear, GemvLinear)
         choices[name] = linear.pack_panels12 is not None
     assert choices == {"avx2": True, "avx512": False, "avx2 off": False, "avx512 on": True}
+
+
+def test_one_row_12_bit_pair_panels_are_chosen_by_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 arithmetic (dtype="auto" with AVX512-BF16, no AMX): the 12-bit copy of the
+    pair panels for one row is made on a CPU with AVX512-BF16 unless forced off, and never
+    where this build has no pair panels (then GemvLinear holds none to copy)."""
+    from kvflow.workers.layers import ops
+    from kvflow.workers.layers.linear import GemvLinear
+    flags = "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512_bf16"
+    choices = {}
+    for name, forced in (("cpu", None), ("off", False), ("on", True)):
+        monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+        monkeypatch.setattr(ops, "ONE_ROW_PAIRS12", forced)
+        linear = ops.choose_ops(torch.device("cpu"), "cpu", torch.bfloat16, True).linear
+        assert isinstance(linear, GemvLinear)
+        choices[name] = linear.pack_pairs12 is not None
+    here = cpu_ops.pairs_available() and cpu_ops.gemv_amx_rows() == 0
+    assert choices == {"cpu": here, "off": False, "on": here}
+    assert ops.one_row_pairs12(frozenset(flags.split()))
+    assert not ops.one_row_pairs12(frozenset("sse4_2 avx avx2 fma avx512f".split()))
 
 
 def test_gemv_float32_output_of_bfloat16(kernels: str) -> None:

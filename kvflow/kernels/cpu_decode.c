@@ -91,7 +91,8 @@ typedef struct {
     const float *bias;            /* float32, or NULL */
     int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3 to 7) */
     int64_t n, k;
-    const void *one_row;          /* w in 12-bit panels (cpu_gemv.c, type 6) for one row, or NULL */
+    const void *one_row;          /* w in 12 bits for one row (cpu_gemv.c: type 8 for pair
+                                   * panels, else 6), or NULL */
     /* int8 on kvflow's GEMM (no AMX-INT8): the smoothed weights packed for i8_gemm (or
      * NULL), their compensation and scales (padded to 16; bias too), used past gemv_rows
      * tokens. */
@@ -150,9 +151,9 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
         return i8_gemm(s->xq, l->k, s->num_tokens, l->k, l->gemm, l->gemm_comp, l->n,
                        l->gemm_scales, s->xscales, l->bias, out, l->n, s->dtype == D_BF16);
     }
-    if (l->one_row != NULL && s->num_tokens == 1)
-        return gemv(x, s->dtype, l->k, 1, l->one_row, 6, l->scales, l->in_scale, l->bias, l->n,
-                    l->k, out, s->dtype, l->n);
+    if (l->one_row != NULL && s->num_tokens == 1)      /* 12-bit: pair panels' (8) or panels' */
+        return gemv(x, s->dtype, l->k, 1, l->one_row, l->type == 7 ? 8 : 6, l->scales,
+                    l->in_scale, l->bias, l->n, l->k, out, s->dtype, l->n);
     return gemv(x, s->dtype, l->k, s->num_tokens, l->w, l->type, l->scales, l->in_scale,
                 l->bias, l->n, l->k, out, s->dtype, l->n);
 }

@@ -34,9 +34,10 @@
  * T_BF16_PANELS: bfloat16 in panels of PANEL outputs (`pack_panels`), float32 arithmetic.
  * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`).
  * T_BF16_PANELS12: the bfloat16 panels in 12 bits a weight, lossless (`pack_panels12`).
- * T_BF16_PAIRS: bfloat16 in panels by input pairs (`pack_pairs`), bfloat16 dot products. */
+ * T_BF16_PAIRS: bfloat16 in panels by input pairs (`pack_pairs`), bfloat16 dot products.
+ * T_BF16_PAIRS12: the pair panels in 12 bits a weight, lossless (`pack_pairs12`), one row. */
 enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5,
-       T_BF16_PANELS12 = 6, T_BF16_PAIRS = 7 };
+       T_BF16_PANELS12 = 6, T_BF16_PAIRS = 7, T_BF16_PAIRS12 = 8 };
 
 static inline float gemv_bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -978,6 +979,14 @@ static inline uint16_t p12_word(const uint16_t *w, int64_t K, int64_t q, int64_t
     return w[(q * PANEL + (i % 2 ? VL + i / 2 : i / 2)) * K + k];
 }
 
+/* The 12-bit pair panels (T_BF16_PAIRS12) decode a pair of inputs into the pair panels' two
+ * vectors instead: vector v (outputs v VL .. v VL + VL - 1), word i: output v VL + i / 2 at
+ * input k + i % 2 (k even), so u0 and u1 are the two 64-byte loads of pair_group. */
+static inline uint16_t p12_pair_word(const uint16_t *w, int64_t K, int64_t q, int64_t k,
+                                     int64_t v, int64_t i) {
+    return w[(q * PANEL + v * VL + i / 2) * K + k + i % 2];
+}
+
 /* The group's table (its distinct high bytes, padded with the first) and each high byte's
  * index in it (code[256]), or 0 when it has more than 16 of them. */
 static int p12_table(const uint16_t *w, int64_t K, int64_t q, int64_t k0, int64_t gk,
@@ -1015,8 +1024,10 @@ static int64_t p12_bytes(const uint16_t *w, int64_t N, int64_t K) {
     return p12_head_bytes(E) + N / PANEL * p12_panel_bytes(K) + E * P12_G * PANEL * 2;
 }
 
-/* W [N, K] bfloat16 into out (p12_bytes(w, N, K) bytes, zeroed by the caller). */
-static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
+/* W [N, K] bfloat16 into out (p12_bytes(w, N, K) bytes, zeroed by the caller), the words of
+ * the float32 panels, or with `pairs` the pair panels' (a whole group then in their layout,
+ * [P12_G / 2][PANEL][2]: the same addresses for u0 and u1). */
+static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out, int pairs) {
     const int64_t groups = (K + P12_G - 1) / P12_G;
     int64_t E = 0;
     for (int64_t q = 0; q < N / PANEL; q++)        /* first the whole groups' numbers */
@@ -1040,7 +1051,9 @@ static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
             if (!p12_table(w, K, q, k0, gk, table, code)) {
                 for (int64_t k = 0; k < gk; k++)
                     for (int64_t i = 0; i < PANEL; i++)
-                        whole[(e * P12_G + k) * PANEL + i] = p12_word(w, K, q, k0 + k, i);
+                        whole[(e * P12_G + k) * PANEL + i]
+                            = pairs ? p12_pair_word(w, K, q, k0 + k - k % 2, k % 2, i)
+                                    : p12_word(w, K, q, k0 + k, i);
                 e++;
                 continue;
             }
@@ -1050,7 +1063,8 @@ static void p12_pack(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
                 for (int64_t p = 0; p < 2 * PANEL; p++) {
                     int64_t input, word;
                     p12_position(p, &input, &word);
-                    const uint16_t v = p12_word(w, K, q, k0 + 2 * pair + input, word);
+                    const uint16_t v = pairs ? p12_pair_word(w, K, q, k0 + 2 * pair, input, word)
+                                             : p12_word(w, K, q, k0 + 2 * pair + input, word);
                     const uint8_t c = code[v >> 8];
                     lows[pair * 2 * PANEL + p] = (uint8_t)v;
                     nibs[pair * PANEL + p % PANEL] |= (uint8_t)(p < PANEL ? c : c << 4);
@@ -1127,9 +1141,24 @@ static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K,
         (acc)[0] = VFMA(VEVEN_BF16(u1), b1, (acc)[0]);                                        \
         (acc)[1] = VFMA(VODD_BF16(u1), b1, (acc)[1]);                                         \
     } while (0)
-#define DEFINE_P12_GROUP(NP)                                                                  \
-static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,            \
-                             int64_t end, const float *x, float *out) {                       \
+#define P12_X_F32(x, k) const vf b0 = VBROADCAST((x) + (k)), b1 = VBROADCAST((x) + (k) + 1)
+#define P12_FMA_F32(acc, u0, u1) P12_FMA_PAIR(acc, u0, u1, b0, b1)
+/* The 12-bit pair panels (p12_pair_word): x's pair broadcast as one word, a vdpbf16ps each
+ * vector, in pair_group's order, so the pair panels' results bit for bit. */
+#define P12_X_PAIRS(x, k)                                                                     \
+    int32_t xpair_;                                                                           \
+    memcpy(&xpair_, (x) + (k), sizeof xpair_);                                                \
+    const __m512bh b0 = (__m512bh)_mm512_set1_epi32(xpair_)
+#define P12_FMA_PAIRS(acc, u0, u1)                                                            \
+    do {                                                                                      \
+        (acc)[0] = _mm512_dpbf16_ps((acc)[0], (__m512bh)(u0), b0);                            \
+        (acc)[1] = _mm512_dpbf16_ps((acc)[1], (__m512bh)(u1), b0);                            \
+    } while (0)
+/* NAME_1_NP: one row of x (XT) times NP panels; XLOAD declares a pair's x operands, FMA
+ * multiplies a decoded pair into a panel's two sums. */
+#define DEFINE_P12_GROUP(NAME, NP, XT, XLOAD, FMA)                                            \
+static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,               \
+                          int64_t end, const XT *x, float *out) {                             \
     int64_t E;                                                                                \
     memcpy(&E, packed, 8);                                                                    \
     const int64_t groups = (K + P12_G - 1) / P12_G, gb = p12_group_bytes(P12_G);              \
@@ -1174,8 +1203,7 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
             const uint8_t *lows[NP], *nibs[NP];                                               \
             for (int j = 0; j < NP; j++) lows[j] = grp[j] + 16, nibs[j] = lows[j] + gk * PANEL; \
             for (int64_t pair = 0; pair < gk / 2; pair++) {                                   \
-                const vf b0 = VBROADCAST(x + k0 + 2 * pair);                                  \
-                const vf b1 = VBROADCAST(x + k0 + 2 * pair + 1);                              \
+                XLOAD(x, k0 + 2 * pair);                                                      \
                 for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++) \
                     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                      \
                         _mm_prefetch(pf[j] + l * 64, P12_HINT);                               \
@@ -1184,13 +1212,13 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
                     const vword high = P12_LOOKUP(table[j], P12_LOW4(P12_HALVES(              \
                         P12_NIBS(nibs[j] + pair * PANEL))));                                  \
                     const vword u0 = P12_UNPACK_LO(low, high), u1 = P12_UNPACK_HI(low, high); \
-                    P12_FMA_PAIR(acc[j], u0, u1, b0, b1);                                     \
+                    FMA(acc[j], u0, u1);                                                      \
                 }                                                                             \
             }                                                                                 \
             continue;                                                                         \
         }                                                                                     \
         for (int64_t pair = 0; pair < gk / 2; pair++) {      /* some group kept whole */      \
-            const vf b0 = VBROADCAST(x + k0 + 2 * pair), b1 = VBROADCAST(x + k0 + 2 * pair + 1); \
+            XLOAD(x, k0 + 2 * pair);                                                          \
             for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++)  \
                 for (int j = 0; j < NP; j++) _mm_prefetch(pf[j] + l * 64, P12_HINT);          \
             for (int j = 0; j < NP; j++) {                                                    \
@@ -1206,7 +1234,7 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
                     u0 = VLOAD_WORDS(raw[j] + 2 * pair * PANEL);                              \
                     u1 = VLOAD_WORDS(raw[j] + (2 * pair + 1) * PANEL);                        \
                 }                                                                             \
-                P12_FMA_PAIR(acc[j], u0, u1, b0, b1);                                         \
+                FMA(acc[j], u0, u1);                                                          \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
@@ -1216,13 +1244,18 @@ static void p12_group_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q
     }                                                                                         \
 }
 #if VL == 16                           /* P12_NP panels a call, and a share's last alone */
-DEFINE_P12_GROUP(4)
+DEFINE_P12_GROUP(p12_group, 4, float, P12_X_F32, P12_FMA_F32)
 #define P12_GROUP_NP p12_group_1_4
 #else
-DEFINE_P12_GROUP(2)
+DEFINE_P12_GROUP(p12_group, 2, float, P12_X_F32, P12_FMA_F32)
 #define P12_GROUP_NP p12_group_1_2
 #endif
-DEFINE_P12_GROUP(1)
+DEFINE_P12_GROUP(p12_group, 1, float, P12_X_F32, P12_FMA_F32)
+#ifdef BF16_PAIRS
+#define P12_PAIRS 1
+DEFINE_P12_GROUP(p12_pairs, 4, uint16_t, P12_X_PAIRS, P12_FMA_PAIRS)
+DEFINE_P12_GROUP(p12_pairs, 1, uint16_t, P12_X_PAIRS, P12_FMA_PAIRS)
+#endif
 
 /* The index in the head's list of the first whole group numbered `number` or after. */
 static int64_t p12_first_whole(const uint8_t *packed, int64_t number) {
@@ -1252,7 +1285,28 @@ int64_t panels12_bytes(const uint16_t *w, int64_t N, int64_t K) {
 /* W into out: panels12_bytes(w, N, K) bytes, zeroed. */
 void pack_panels12(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
 #ifdef P12
-    p12_pack(w, N, K, out);
+    p12_pack(w, N, K, out, 0);
+#else
+    (void)w, (void)N, (void)K, (void)out;
+#endif
+}
+
+/* Bytes of W in 12-bit pair panels (T_BF16_PAIRS12: the same groups and tables, each pair
+ * decoded into the pair panels' words), or 0 where this build (no AVX512-BF16) or the shape
+ * cannot. */
+int64_t pairs12_bytes(const uint16_t *w, int64_t N, int64_t K) {
+#ifdef P12_PAIRS
+    return p12_bytes(w, N, K);
+#else
+    (void)w, (void)N, (void)K;
+    return 0;
+#endif
+}
+
+/* W into out: pairs12_bytes(w, N, K) bytes, zeroed. */
+void pack_pairs12(const uint16_t *w, int64_t N, int64_t K, uint8_t *out) {
+#ifdef P12_PAIRS
+    p12_pack(w, N, K, out, 1);
 #else
     (void)w, (void)N, (void)K, (void)out;
 #endif
@@ -1531,13 +1585,18 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
          void *out, int otype, int64_t ldo) {
     const int esize = wtype == T_F32 ? 4 : wtype == T_I8 || wtype == T_I8_PANELS ? 1 : 2;
     const int panels12 = wtype == T_BF16_PANELS12;
-    const int bf16_pairs = wtype == T_BF16_PAIRS;
-    const int panels = wtype == T_BF16_PANELS || panels12 || bf16_pairs;
+    const int bf16_pairs = wtype == T_BF16_PAIRS, pairs12 = wtype == T_BF16_PAIRS12;
+    const int panels = wtype == T_BF16_PANELS || panels12 || bf16_pairs || pairs12;
     const int i8_panels = wtype == T_I8_PANELS;
 #ifdef BF16_PAIRS
     if (bf16_pairs && (xtype != T_BF16 || K % 2 || in_scale != NULL)) return 2;
 #else
     if (bf16_pairs) return 2;
+#endif
+#ifdef P12_PAIRS
+    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M != 1)) return 2;
+#else
+    if (pairs12) return 2;
 #endif
 #ifdef VL
     if (panels && (N % PANEL || scales != NULL)) return 2;
@@ -1566,7 +1625,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     const int pairs = (wtype == T_BF16 && xtype == T_BF16 && K % 2 == 0 && ldx % 2 == 0
-                       && in_scale == NULL) || bf16_pairs;
+                       && in_scale == NULL) || bf16_pairs || pairs12;
 #else
     const int pairs = 0;
 #endif
@@ -1686,7 +1745,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
              * range of an even split of the panels, not of the groups (SmolLM2's 576
              * outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12
              * and the other 6). */
-            const int64_t group = M == 1 ? (panels12 ? P12_NP : 4) : M <= 4 && !panels12 ? 2 : 1;
+            const int64_t group = M == 1 ? (panels12 || pairs12 ? P12_NP : 4)
+                                         : M <= 4 && !panels12 ? 2 : 1;
             const int64_t me = omp_get_thread_num();
             int64_t c0, cn, end;
             while (acc != NULL && sh != NULL
@@ -1706,6 +1766,13 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                         p12_decode(w, N, K, p0, &whole, decoded, stream_end);
                         wp = decoded;
                     }
+#endif
+#ifdef P12_PAIRS
+                    if (pairs12) {
+                        const uint16_t *xb = (const uint16_t *)xs;
+                        if (np == P12_NP) p12_pairs_1_4(w, N, K, p0, end, xb, acc);
+                        else p12_pairs_1_1(w, N, K, p0, end, xb, acc);
+                    } else
 #endif
 #ifdef BF16_PAIRS
                     if (bf16_pairs) {

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -180,6 +180,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gemv_pairs_available.restype, lib.gemv_pairs_available.argtypes = ctypes.c_int, []
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
+    lib.pairs12_bytes.restype, lib.pairs12_bytes.argtypes = i64, [ptr, i64, i64]
+    lib.pack_pairs12.restype, lib.pack_pairs12.argtypes = None, [ptr, i64, i64, ptr]
     lib.i8_gemm_available.restype, lib.i8_gemm_available.argtypes = ctypes.c_int, []
     lib.i8_gemm_weight_levels.restype, lib.i8_gemm_weight_levels.argtypes = ctypes.c_int, []
     lib.i8_gemm_packed_bytes.restype, lib.i8_gemm_packed_bytes.argtypes = i64, [i64, i64]
@@ -396,8 +398,10 @@ def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
 
 # cpu_gemv.c's codes for weights in a layout of its own (else the dtype's, GEMV_TYPES):
 # bfloat16 in the tile unit's layout (pack_amx), or in panels (pack_panels; int8:
-# pack_i8_panels; 12 bits a weight: pack_panels12), or in pair panels (pack_pairs).
-GEMV_LAYOUTS = {"amx": 3, "panels": 4, "panels12": 6, "pairs": 7}
+# pack_i8_panels; 12 bits a weight: pack_panels12), or in pair panels (pack_pairs; 12 bits a
+# weight: pack_pairs12).
+GEMV_LAYOUTS = {"amx": 3, "panels": 4, "panels12": 6, "pairs": 7, "pairs12": 8}
+TWELVE_BIT = ("panels12", "pairs12")           # uint8 [N, bytes / N] layouts
 I8_PANELS = 5
 
 
@@ -405,7 +409,7 @@ def gemv_type(weight: torch.Tensor, layout: str = "rows") -> int:
     """cpu_gemv.c's code for a weight: its dtype's when row-major ("rows"), else its layout's."""
     if layout == "panels" and weight.dtype == torch.int8:
         return I8_PANELS
-    if layout == "panels12":
+    if layout in TWELVE_BIT:
         return GEMV_LAYOUTS[layout]
     return GEMV_TYPES[weight.dtype] if layout == "rows" else GEMV_LAYOUTS[layout]
 
@@ -445,15 +449,33 @@ def pack_panels12(weight: torch.Tensor) -> torch.Tensor | None:
     `pack_panels`' bit for bit. None where it cannot (as pack_panels; also K odd). A uint8
     tensor [N, bytes / N] (rounded up): its first dimension is the weight's outputs."""
     lib = library()
-    n, k = weight.shape
     if lib is None or int(lib.gemv_panel_width()) == 0 or weight.dtype != torch.bfloat16:
         return None
+    return _pack12(lib.panels12_bytes, lib.pack_panels12, weight)
+
+
+def pack_pairs12(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [N, K] in cpu_gemv.c's 12-bit pair panels (`gemv(...,
+    layout="pairs12")`, one row of x, bfloat16): pack_panels12's groups and tables, each pair
+    of inputs decoded into the pair panels' words, so the same results as `pack_pairs`' bit
+    for bit at 76% of the bytes. None where it cannot (as pack_pairs); a uint8 tensor as
+    pack_panels12's."""
+    if not pairs_available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    lib = library()
+    assert lib is not None                       # pairs_available() loaded it
+    return _pack12(lib.pairs12_bytes, lib.pack_pairs12, weight)
+
+
+def _pack12(size: Callable[..., int], pack: Callable[..., None], weight: torch.Tensor
+            ) -> torch.Tensor | None:
+    n, k = weight.shape
     weight = weight.contiguous()
-    nbytes = int(lib.panels12_bytes(weight.data_ptr(), n, k))
+    nbytes = int(size(weight.data_ptr(), n, k))
     if nbytes == 0:
         return None
     out = torch.zeros(n, -(-nbytes // n), dtype=torch.uint8)
-    lib.pack_panels12(weight.data_ptr(), n, k, out.data_ptr())
+    pack(weight.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -551,12 +573,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     `scales` [N] float32: W ~ int8 * scale per row), or packed by `pack_amx` (bfloat16,
     layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"),
     `pack_pairs` (layout="pairs", x bfloat16), `pack_panels12` (layout="panels12": uint8
-    [N, ...]); in_scale [K] float32 or None; bias
+    [N, ...]) or `pack_pairs12` (layout="pairs12", as panels12, one row of x bfloat16);
+    in_scale [K] float32 or None; bias
     [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
     n = weight.shape[0]
-    if layout == "panels12":
+    if layout in TWELVE_BIT:
         assert weight.is_contiguous() and weight.dtype == torch.uint8 and scales is None
     else:
         assert weight.is_contiguous() and weight.shape == (n, k) and weight.dtype in GEMV_TYPES

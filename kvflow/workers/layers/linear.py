@@ -87,7 +87,8 @@ class GemvWeight(NamedTuple):
                                     # "panels": bfloat16 panels (cpu_ops.pack_panels);
                                     # "pairs": bfloat16 pair panels (cpu_ops.pack_pairs)
     one_row: torch.Tensor | None = None  # the same panels in 12 bits a weight, lossless
-                                    # (cpu_ops.pack_panels12), for one-row products
+                                    # (cpu_ops.pack_panels12; "pairs": pack_pairs12), for
+                                    # one-row products
 
 
 class GemvLinear(LinearMethod):
@@ -120,7 +121,9 @@ class GemvLinear(LinearMethod):
     dot products, no horizontal sums) and takes products of up to `pair_rows` rows: on an
     AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
     row and 1.1-1.5x faster than oneDNN's bfloat16 GEMM at 8-64 rows (benchmarks/
-    cpu_kernels.py --gemv)."""
+    cpu_kernels.py --gemv). With `pack_pairs12` too, one-row products read a second copy of
+    the pair panels in 12 bits a weight (cpu_ops.pack_pairs12: the same bits, 76% of the
+    bytes; layers/ops.py one_row_pairs12)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
@@ -130,7 +133,9 @@ class GemvLinear(LinearMethod):
                  panel_rows: int = 0,
                  pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 pair_rows: int = 0) -> None:
+                 pair_rows: int = 0,
+                 pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                 ) -> None:
         self.gemv = gemv
         self.inner = inner
         self.max_rows = max_rows
@@ -142,6 +147,7 @@ class GemvLinear(LinearMethod):
         self.pack_panels12 = pack_panels12 if self.panel_rows else None
         self.pack_pairs = pack_pairs if pair_rows and stream_dtype is None else None
         self.pair_rows = pair_rows if self.pack_pairs is not None else 0
+        self.pack_pairs12 = pack_pairs12 if self.pair_rows else None
         streams = ("" if stream_dtype is None
                    else f", {str(stream_dtype).removeprefix('torch.')} weights")
         if self.panel_rows:
@@ -150,6 +156,8 @@ class GemvLinear(LinearMethod):
                 streams += " (one row: 12-bit panels)"
         if self.pair_rows:
             streams += f"; bfloat16 pair panels <= {self.pair_rows} rows"
+            if self.pack_pairs12 is not None:
+                streams += " (one row: 12-bit pair panels)"
         self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
                      if self.amx_rows else f"gemv (<= {max_rows} rows{streams}) + {inner.name}")
 
@@ -165,7 +173,8 @@ class GemvLinear(LinearMethod):
         pairs = (self.pack_pairs(weight) if self.pack_pairs is not None and packed is not None
                  else None)
         if pairs is not None:
-            return GemvWeight(packed, pairs, layout="pairs")
+            one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
+            return GemvWeight(packed, pairs, layout="pairs", one_row=one_row)
         stream = self.stream_dtype
         if packed is not None and stream is not None and stream != weight.dtype:
             narrow = weight.to(stream).contiguous()
@@ -184,7 +193,8 @@ class GemvLinear(LinearMethod):
         if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
             b = None if bias is None else bias.float()
             if prepared.one_row is not None and x.numel() == x.shape[-1]:
-                return self.gemv(x, prepared.one_row, None, b, layout="panels12")
+                return self.gemv(x, prepared.one_row, None, b,
+                                 layout="pairs12" if prepared.layout == "pairs" else "panels12")
             return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
 

@@ -108,6 +108,25 @@ def use_panels12() -> bool:
     return one_row_panels12(cpu_flags()) if ONE_ROW_PANELS12 is None else ONE_ROW_PANELS12
 
 
+# The same for the pair panels (bfloat16 arithmetic on AVX512-BF16 CPUs without AMX): one-row
+# products from a second copy in 12 bits a weight (cpu_ops.pack_pairs12, lossless).
+# None: decided by the CPU; True or False: forced (tests).
+ONE_ROW_PAIRS12: bool | None = None
+
+
+def one_row_pairs12(flags: frozenset[str]) -> bool:
+    """Whether one-row products read the 12-bit copy of the pair panels: wherever there are
+    pair panels (AVX512-BF16; GemvLinear holds none where AMX takes bfloat16). On an AMD
+    EPYC Zen 5 one request's TPOT in-process 6.6 -> 5.9-6.1 ms, through the server 5.55-6.6
+    -> 4.9-5.4; the 32-request workload, which reads the pair panels, alike within the VM's
+    drift (docs/design.md, "Pair panels"). The copy adds 0.76x the pair panels' memory."""
+    return "avx512_bf16" in flags
+
+
+def use_pairs12() -> bool:
+    return one_row_pairs12(cpu_flags()) if ONE_ROW_PAIRS12 is None else ONE_ROW_PAIRS12
+
+
 def compiled_ops() -> Ops:
     compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
     return Ops("compiled", compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul),
@@ -158,7 +177,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_panels12 if use_panels12() else None,
                                 cpu_ops.pack_pairs,
                                 GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and not amx_rows
-                                and cpu_ops.pairs_available() else 0)
+                                and cpu_ops.pairs_available() else 0,
+                                cpu_ops.pack_pairs12 if use_pairs12() else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
