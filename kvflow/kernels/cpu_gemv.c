@@ -1887,12 +1887,17 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
  * holds an inf or a NaN, |x| is ~0 (every row a candidate) or past 1e30, or a bound
  * overflowed. */
 #ifdef VL
+/* f0: an absolute slack (the pair panels' flushed denormals); bf16: the logits are compared
+ * as rounded to bfloat16 (the pair panels' output), so a row is a candidate where its upper
+ * bound rounds to at least what the largest lower bound rounds to (rounding is monotonic: a
+ * row whose exact logit ties the largest after rounding is kept). */
 static int64_t greedy_candidates(float *a, const float *err, const float *norm,
-                                 int64_t N, float fe, float fn, int64_t *cand) {
+                                 int64_t N, float fe, float fn, float f0, int bf16,
+                                 int64_t *cand) {
     float best_lo = -3.0e38f;
     uint32_t spread = 0;                 /* an inf or NaN among the bounds: its exponent bits */
     for (int64_t v = 0; v < N; v++) {    /* a[v] becomes its upper bound (a is scratch) */
-        const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f;
+        const float b = err[v] * fe + norm[v] * fn + (a[v] < 0 ? -a[v] : a[v]) * 1e-6f + f0;
         const float lo = a[v] - b, hi = a[v] + b;
         uint32_t bits[2];
         memcpy(&bits[0], &lo, sizeof bits[0]);
@@ -1903,9 +1908,11 @@ static int64_t greedy_candidates(float *a, const float *err, const float *norm,
         a[v] = hi;
     }
     if (spread) return 0;                /* overflowed (|x| near FLOAT_MAX): no candidates */
+    if (bf16) best_lo = gemv_bf16_to_f32(gemv_f32_to_bf16(best_lo));
     int64_t count = 0;
     for (int64_t v = 0; v < N; v++)
-        if (a[v] >= best_lo) cand[count++] = v;
+        if ((bf16 ? gemv_bf16_to_f32(gemv_f32_to_bf16(a[v])) : a[v]) >= best_lo)
+            cand[count++] = v;
     return count;
 }
 
@@ -1966,10 +1973,87 @@ int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w
         const double c = (double)(K + 8) * 2.0 * u * 1.01;
         const float fe = (float)(nx * 1.0001), fn = (float)((dq + c * (nx + dq)) * 1.0001);
         if (!(nx > 1e-20 && nx < 1e30)) return 3;   /* all rows tie (x ~ 0) or overflow */
-        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, cand);
+        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, 0.0f, 0,
+                                                cand);
         if (count == 0) return 3;
         num_cand[m] = count;
         out[m] = greedy_exact(w, K, xm, cand, count);
+    }
+    return 0;
+#endif
+}
+
+/* The same for the pair panels' LM head (T_BF16_PAIRS or its 12-bit copy; bfloat16 x, logits
+ * rounded to bfloat16): x [M, K] and w [N, K] bfloat16 (K even), the exact logits as the pair
+ * panels sum them (every output one vdpbf16ps lane over the input pairs in order, from 0)
+ * and rounded to bfloat16, the first of the largest. The bound as greedy_head's (the same
+ * K roundings of a float32 sum), plus what vdpbf16ps flushes: denormal inputs read as 0 and
+ * denormal results as 0, each term off by less than 2^-126 times the other factor. */
+#ifdef BF16_PAIRS
+static int64_t greedy_exact_pairs(const uint16_t *w, int64_t K, const uint16_t *x,
+                                  const int64_t *cand, int64_t count) {
+    float best = 0.0f;
+    int64_t best_id = cand[0];
+    int32_t t[16] __attribute__((aligned(64)));
+    float vals[16] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < count; g += 16) {
+        const uint16_t *rows[16];
+        for (int i = 0; i < 16; i++) rows[i] = w + cand[g + i < count ? g + i : count - 1] * K;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 2) {
+            for (int i = 0; i < 16; i++) memcpy(&t[i], rows[i] + k, sizeof t[i]);
+            int32_t pair;
+            memcpy(&pair, x + k, sizeof pair);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(t),
+                                   (__m512bh)_mm512_set1_epi32(pair));
+        }
+        _mm512_store_ps(vals, acc);
+        for (int i = 0; i < 16 && g + i < count; i++) {
+            const float v = gemv_bf16_to_f32(gemv_f32_to_bf16(vals[i]));
+            if (v > best || g + i == 0) { best = v; best_id = cand[g + i]; }
+        }
+    }
+    return best_id;
+}
+#endif
+
+int greedy_head_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t N, const int8_t *wq,
+                      int wq_type, const float *scales, const float *err, const float *norm,
+                      const uint16_t *w, float *approx, int64_t *cand, int64_t *out,
+                      int64_t *num_cand) {
+#ifndef BF16_PAIRS
+    (void)x; (void)M; (void)K; (void)N; (void)wq; (void)wq_type; (void)scales; (void)err;
+    (void)norm; (void)w; (void)approx; (void)cand; (void)out; (void)num_cand;
+    return 2;
+#else
+    if ((wq_type != T_I8 && wq_type != T_I8_PANELS) || K % 2) return 2;
+    for (int64_t i = 0; i < M * K; i++)
+        if ((x[i] & 0x7F80u) == 0x7F80u) return 3;
+    const int code = gemv(x, T_BF16, K, M, wq, wq_type, scales, NULL, NULL, N, K, approx,
+                          T_F32, N);
+    if (code) return code;
+    const double u = 5.9604644775390625e-08, tiny = 2.3509887016445750e-38;  /* 2^-24, 2^-125 */
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = x + m * K;
+        double nx2 = 0.0, peak = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            const double v = gemv_bf16_to_f32(xm[k]);
+            nx2 += v * v;
+            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
+        }
+        const double nx = __builtin_sqrt(nx2) * (1.0 + 1e-6);
+        const double dq = 0.5 * __builtin_sqrt((double)K) * (peak / xq_max(K)) * (1.0 + 1e-6)
+                          + 4.0 * u * nx;
+        const double c = (double)(K + 8) * 2.0 * u * 1.01;
+        const float fe = (float)(nx * 1.0001);
+        const float fn = (float)((dq + c * (nx + dq) + K * tiny) * 1.0001);
+        const float f0 = (float)(K * tiny * (peak + 2.0));
+        if (!(nx > 1e-20 && nx < 1e30)) return 3;   /* all rows tie (x ~ 0) or overflow */
+        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, f0, 1,
+                                                cand);
+        if (count == 0) return 3;
+        num_cand[m] = count;
+        out[m] = greedy_exact_pairs(w, K, xm, cand, count);
     }
     return 0;
 #endif

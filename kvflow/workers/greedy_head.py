@@ -1,6 +1,6 @@
-"""Greedy tokens without reading the whole LM head (CPU, float32 arithmetic on bfloat16
-weights): the exact argmax of the logits from an int8 copy of the LM head plus a few exact
-rows.
+"""Greedy tokens without reading the whole LM head (CPU, bfloat16 weights in the gemv
+kernel's panels or pair panels): the exact argmax of the logits from an int8 copy of the LM
+head plus a few exact rows.
 
 At one request a decode step is a read of the weights, and the LM head (vocabulary x hidden)
 is a fifth of them for the default model (49152 x 576: 42 MB a token in 12-bit panels, 56
@@ -13,11 +13,17 @@ compute it (the same fma chain, so the same float32 value), and the first of the
 wins, as the argmax of the full logits would. The token is the one the full LM head and the
 sampler give, bit for bit (tests/test_greedy_head.py); only the bytes differ.
 
+With bfloat16 arithmetic (the pair panels: `auto` on CPUs with AVX512-BF16 but no AMX) x
+and the logits are bfloat16: the exact rows are summed as the pair panels sum them (one
+vdpbf16ps lane each) and rounded to bfloat16, and a row is a candidate where its upper bound
+rounds to at least what the largest lower bound rounds to, so a tie after rounding goes to
+the first row, as the argmax of the bfloat16 logits gives it (`greedy_head_pairs`).
+
 `GreedyHead.build(model, tp)` makes it where the LM head's decode products run on the
-bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16; one
-rank); `takes(sampling, rows)` says whether a step's rows are all plain greedy (no logprobs,
-penalties, logit bias, min_tokens or grammar masks: those need every logit); the model
-runner then calls it instead of the LM head and the sampler.
+bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16) or
+on the pair panels (one rank); `takes(sampling, rows)` says whether a step's rows are all
+plain greedy (no logprobs, penalties, logit bias, min_tokens or grammar masks: those need
+every logit); the model runner then calls it instead of the LM head and the sampler.
 """
 from __future__ import annotations
 
@@ -40,11 +46,13 @@ _CHUNK = 4096         # rows at a time while computing the bounds (float64 copie
 
 class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
-        """weight: the LM head's float32 [N, K] (bfloat16 values, as its panels hold them;
-        with one rank its rows are the vocabulary)."""
+        """weight: the LM head's [N, K] (with one rank its rows are the vocabulary): float32
+        holding bfloat16 values, as its bfloat16 panels hold them, or bfloat16 (pair panels:
+        bfloat16 x and logits)."""
         self.lib = cpu_ops.library()
         assert self.lib is not None, cpu_ops.build_error()
         self.weight = weight                     # the model's own tensor: no copy
+        self.dtype = weight.dtype                # x's: float32, or bfloat16 (pair panels)
         exact = weight.to(torch.bfloat16).float()
         q, scales = quantize_weight(exact)
         self.scales = scales.contiguous()
@@ -58,7 +66,7 @@ class GreedyHead:
         self._cand = torch.empty(n, dtype=torch.int64)
         self._out = torch.empty(MAX_ROWS, dtype=torch.int64)
         self._counts = torch.empty(MAX_ROWS, dtype=torch.int64)
-        fn = self.lib.greedy_head
+        fn = self.lib.greedy_head_pairs if self.dtype == torch.bfloat16 else self.lib.greedy_head
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 8]
@@ -66,14 +74,15 @@ class GreedyHead:
 
     @classmethod
     def build(cls, lm_head: Any, tp: TPGroup) -> GreedyHead | None:
-        """The greedy head of this LM head, or None where its decode products are not the
-        bfloat16 panels under float32 arithmetic (another kernel sums in another order), or
-        its float32 weight is gone (an untied head frees it once packed: only tied
-        embeddings keep it, as the default model's)."""
+        """The greedy head of this LM head, or None where its decode products are neither the
+        bfloat16 panels under float32 arithmetic nor the pair panels (another kernel sums in
+        another order), or its weight is gone (an untied head frees it once packed: only
+        tied embeddings keep it, as the default model's)."""
         prepared = getattr(lm_head, "prepared", None)
-        if (tp.size != 1 or not isinstance(prepared, GemvWeight) or prepared.layout != "panels"
-                or lm_head.weight.dtype != torch.float32 or lm_head.weight.dim() != 2
-                or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
+        layout = prepared.layout if isinstance(prepared, GemvWeight) else None
+        dtype = {"panels": torch.float32, "pairs": torch.bfloat16}.get(layout or "")
+        if (tp.size != 1 or dtype is None or lm_head.weight.dtype != dtype
+                or lm_head.weight.dim() != 2 or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
             return None
         head = cls(lm_head.weight.data)
         logger.info("greedy rows read an int8 copy of the LM head (%.0f MB) and compute "
@@ -88,10 +97,10 @@ class GreedyHead:
                         for p in params))
 
     def __call__(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax token of each row of hidden [M, K] (float32, M <= MAX_ROWS); None if
-        a row holds an inf or a NaN (the full logits then decide, as they would anyway)."""
+        """The argmax token of each row of hidden [M, K] (the weight's dtype, M <= MAX_ROWS);
+        None if a row holds an inf or a NaN (the full logits then decide, as they would)."""
         x = hidden.contiguous()
-        assert x.dtype == torch.float32 and 0 < x.shape[0] <= MAX_ROWS, (x.dtype, x.shape)
+        assert x.dtype == self.dtype and 0 < x.shape[0] <= MAX_ROWS, (x.dtype, x.shape)
         m, k = x.shape
         code = self._fn(x.data_ptr(), m, k, self.weight.shape[0], self.q.data_ptr(),
                         self.q_type, self.scales.data_ptr(), self.err.data_ptr(),
