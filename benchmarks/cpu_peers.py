@@ -16,9 +16,9 @@ of its floor.
   (the order rotating), so a drift in the machine's speed falls on every engine alike
   (`--single-apart`: one server after the other, for less memory). Floor: the bytes of
   the weights a token reads (the engine's weight type; kvflow-auto's one-row steps read the
-  12-bit copies it holds of its panels or pair panels, and its greedy tokens on 12-bit
-  panels an int8 copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB,
-  more than any cache here).
+  12-bit copies it holds of its panels or pair panels, and its greedy tokens there an int8
+  copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
+  cache here).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
@@ -596,9 +596,9 @@ def main() -> None:
                 row["single_error"] = f"alone: {type(e).__name__}: {e}"[:300]
             kind = weight_kind(name, auto_kind)
             head = hf["vocab_size"] * hf["hidden_size"]
-            # A greedy token under float32 on 12-bit panels reads the LM head's int8
+            # A greedy token on 12-bit panels or pair panels reads the LM head's int8
             # copy instead (workers/greedy_head.py); these requests are all greedy.
-            nbytes = (params * WEIGHT_BYTES[kind] if kind != "panels12" else
+            nbytes = (params * WEIGHT_BYTES[kind] if kind not in ("panels12", "pairs12") else
                       (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
             floor_ms = nbytes / (bandwidth * 1e9) * 1e3
             row["read_share"] = floor_ms / row["tpot_ms"]
