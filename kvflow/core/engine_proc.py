@@ -75,7 +75,7 @@ class EngineCoreProc:
         if self.core.structured.wakeup_fd in ready:
             self.core.structured.drain_wakeups()
             self.core.take_compiled()
-        self.executor.check_alive()
+        self.executor.check_alive(ready)
         while self.running and self.input.poll(0):
             self.handle(self.input.recv())
 

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Mapping
 
 import zmq
 
@@ -101,6 +101,11 @@ class MultiprocExecutor:
             result_address, "--dist-address", dist_address, *control,
             "--log-level", str(logging.getLogger().level)], env=huge_pages.worker_env(os.environ))
             for rank in parallel.node_ranks(0)]
+        # Rank 0's results and everything watched, in one poller made once (a step waits
+        # in it at least once).
+        self._poller = zmq.Poller()
+        for s in [self.results.sock, *self.watched]:
+            self._poller.register(s, zmq.POLLIN)
         self.async_scheduling = False
         try:
             self.num_blocks = self._wait_ready(time.monotonic() + self.startup_timeout)
@@ -134,10 +139,7 @@ class MultiprocExecutor:
     def _recv(self, deadline: float | None) -> object:
         """The next worker message, watching every worker's sentinel (and, with several nodes,
         their heartbeats) while waiting."""
-        poller = zmq.Poller()
-        poller.register(self.results.sock, zmq.POLLIN)
-        for s in self.watched:
-            poller.register(s, zmq.POLLIN)
+        poller = self._poller
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self.nodes is not None:
@@ -150,11 +152,17 @@ class MultiprocExecutor:
                 if msg is not None:
                     return msg
                 continue
-            self.check_alive()
+            self.check_alive(ready)
             if deadline is not None and time.monotonic() >= deadline:
                 raise StartupTimeout("timed out waiting for the workers")
 
-    def check_alive(self) -> None:
+    def check_alive(self, ready: Mapping[object, int] | None = None) -> None:
+        """Raise WorkerFailure if a worker has exited, and service the nodes' heartbeats.
+        `ready`: a poll's result over `watched`, where a worker's exit shows (its pidfd
+        turns readable and stays so): with it, the exit codes are read only then."""
+        if ready is not None and self.nodes is None and not any(s in ready
+                                                                for s in self.sentinels):
+            return
         for rank, p in enumerate(self.procs):
             if p.exitcode is not None:
                 raise WorkerFailure(f"worker {rank} (pid {p.pid}) died with exit code "
