@@ -182,6 +182,15 @@ def prefill_attention(backends: dict, lengths: list[int], cache: list[torch.Tens
     result = {name: timed(lambda: backend.attend(q, *(as_torch if name == "torch" else cache),
                                                  meta, scale), args.repeats)
               for name, (backend, meta) in runs.items()}
+    # bfloat16 tiles: by vdpbf16ps where cpu_ops.tile_dot_pays() (AMD with AVX512-BF16), else
+    # by float32 FMAs; the other way too where this build has both
+    if cpu.dtype == torch.bfloat16 and cpu.kv_dtype == torch.bfloat16:
+        dot = cpu_ops.tile_dot_pays()
+        if cpu_ops.set_tile_dot(not dot):
+            backend, meta = runs["tiles"]
+            result["tiles by float32 FMAs" if dot else "tiles by vdpbf16ps"] = timed(
+                lambda: backend.attend(q, *cache, meta, scale), args.repeats)
+        cpu_ops.set_tile_dot(dot)
     flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
     what = (f"{len(lengths)} prompts of 32..256 ({sum(lengths)} tokens)" if len(lengths) > 1
             else f"one prompt of {lengths[0]} tokens")

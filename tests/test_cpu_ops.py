@@ -8,6 +8,8 @@ strided inputs.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -142,9 +144,21 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype,
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
+@pytest.fixture(params=["fma", "dot"])
+def tile_scores(request: pytest.FixtureRequest, kernels: str) -> Iterator[str]:
+    """The bfloat16 prefill tiles' scores both ways: float32 FMAs, and vdpbf16ps where the
+    build has it (AVX512-BF16: cpu_ops.set_tile_dot; on by default on AMD CPUs only); a
+    build without it says so and keeps the FMAs."""
+    dot = request.param == "dot"
+    has = cpu_ops.set_tile_dot(dot)
+    assert has == (kernels == "native" and torch.cpu._is_avx512_bf16_supported())
+    yield request.param if has or not dot else "fma"
+    cpu_ops.set_tile_dot(cpu_ops.tile_dot_pays())
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
+def test_prefill_chunks_match_torch_backend(kernels: str, tile_scores: str, dtype: torch.dtype,
                                             kv_dtype: torch.dtype, block_size: int) -> None:
     """Prefills alone, as the kernel runs them (each new token a causal row): a whole
     300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk."""
@@ -164,7 +178,7 @@ def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
 @pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype,
+def test_prefill_tiles_match_torch_backend(kernels: str, tile_scores: str, dtype: torch.dtype,
                                            kv_dtype: torch.dtype, num_heads: int,
                                            num_kv_heads: int, head_dim: int,
                                            block_size: int) -> None:

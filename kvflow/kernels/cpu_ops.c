@@ -170,9 +170,14 @@ static inline __attribute__((always_inline)) void NAME(                         
  * the accumulators in registers. Written with GCC's vector types (a few reductions in
  * intrinsics), so the same source becomes AVX-512 or AVX2 code. Scores, softmax and sums in
  * float32; keys a row must not see (the causal diagonal, the padding of the last key tile)
- * score MASKED, whose exp is 0. vdpbf16ps for bf16 scores and P V (P rounded to bf16) was
- * tried and ran at 0.7x of this on a Sapphire Rapids Xeon, whose AVX512-BF16 dot product
- * issues at half the rate of its float32 FMAs. */
+ * score MASKED, whose exp is 0. With bfloat16 queries and cache on AMD's AVX512-BF16 CPUs
+ * (Zen 4, 5) the scores and P V go by vdpbf16ps instead (DOT: tile_scores_dot, tile_pv_dot;
+ * P rounded to bfloat16 for P V, as flash attention does on GPUs): there it issues at the
+ * rate of float32 FMAs and does twice their work, and on an AMD EPYC Zen 5 (2 threads) one
+ * 2048-token prompt's attention took 17.7 -> 10.6 ms a layer, 15 prompts of 32-256 tokens
+ * 1.94 -> 1.38 (benchmarks/cpu_kernels.py). On a Sapphire Rapids Xeon, whose vdpbf16ps
+ * issues at half the rate of its FMAs, the same idea ran at 0.7x, so Intel CPUs keep the
+ * FMAs (cpu_ops.tile_dot_pays; their AMX CPUs send long bfloat16 prompts to SDPA). */
 #define TILE_Q 32            /* query rows (tokens) per tile */
 #define TILE_K 32            /* keys per step: two vectors of scores */
 #define TILE_MIN_ROWS 16     /* shorter runs (decodes, speculative verifications) go by rows */
@@ -251,6 +256,113 @@ static inline vf vexp(vf x) {
     return (vf)((vi)(p * (vf)pow2) & ~under);
 }
 
+/* Two bfloat16 values (an even dimension and the next) as one 32-bit word, the pair that
+ * vdpbf16ps multiplies per lane. */
+static inline uint32_t pair_word(const void *p) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+/* The tiles' scores by vdpbf16ps (DOT, bfloat16 queries and cache): qw [R][D / 2] and the key
+ * tile kw [D / 2][TILE_K] as pairs of dimensions, p [R][TILE_K] = scale q k. Products of two
+ * bfloat16 are exact in float32, so the sums round as the float32 FMAs' do, in another order
+ * (pairs), and the scale multiplies the sum instead of the query. */
+#if VL == 16 && defined(__AVX512BF16__)
+#define TILE_DOT 1
+static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float *p, int64_t R,
+                                   int64_t D, float scale) {
+    for (int64_t r0 = 0; r0 < R; r0 += QK_ROWS) {
+        __m512 acc[QK_ROWS][KV_VECS];
+        for (int rr = 0; rr < QK_ROWS; rr++)
+            for (int v = 0; v < KV_VECS; v++) acc[rr][v] = _mm512_setzero_ps();
+        const uint32_t *q0 = qw + r0 * (D / 2);
+        for (int64_t d2 = 0; d2 < D / 2; d2++) {
+            __m512bh kv[KV_VECS];
+            for (int v = 0; v < KV_VECS; v++)
+                kv[v] = (__m512bh)_mm512_loadu_si512(kw + d2 * TILE_K + v * VL);
+            for (int rr = 0; rr < QK_ROWS; rr++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q0[rr * (D / 2) + d2]);
+                for (int v = 0; v < KV_VECS; v++)
+                    acc[rr][v] = _mm512_dpbf16_ps(acc[rr][v], kv[v], b);
+            }
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int rr = 0; rr < QK_ROWS; rr++)
+            for (int v = 0; v < KV_VECS; v++)
+                _mm512_storeu_ps(p + (r0 + rr) * TILE_K + v * VL, _mm512_mul_ps(acc[rr][v], sc));
+    }
+}
+
+/* P V by vdpbf16ps too: the tile's V rows interleaved by pairs of keys, vw [TILE_K / 2][D]
+ * words (key 2i's value and key 2i + 1's at each column; a key past the tile's nk reads 0),
+ * and each row's P rounded to bfloat16 pairs in place (p row r's first TILE_K / 2 words), as
+ * flash attention's P V runs on GPUs; the softmax's sums stay those of the float32 P. */
+static inline void tile_v_pairs(const uint16_t *const *rows, int64_t nk, int64_t D,
+                                uint32_t *vw) {
+    static const uint16_t zero[256] __attribute__((aligned(64)));
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < TILE_K / 2; i++) {
+        const uint16_t *a = 2 * i < nk ? rows[2 * i] : zero;
+        const uint16_t *b = 2 * i + 1 < nk ? rows[2 * i + 1] : zero;
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+            _mm512_storeu_si512(vw + i * D + c, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(vw + i * D + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+static inline void tile_p_pairs(float *p, int64_t R) {
+    for (int64_t r = 0; r < R; r++) {
+        const __m512 p0 = _mm512_loadu_ps(p + r * TILE_K);
+        const __m512 p1 = _mm512_loadu_ps(p + r * TILE_K + 16);
+        _mm512_storeu_si512(p + r * TILE_K, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+}
+
+static inline void tile_pv_dot(const float *p, const uint32_t *vw, float *o, int64_t R,
+                               int64_t D, int64_t nk) {
+    const uint32_t *pw = (const uint32_t *)p;        /* row r: TILE_K / 2 words, TILE_K apart */
+    for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS)
+        for (int64_t c = 0; c < D; c += 32) {
+            __m512 acc[PV_ROWS][2];
+            for (int rr = 0; rr < PV_ROWS; rr++)
+                for (int v = 0; v < 2; v++)
+                    acc[rr][v] = _mm512_loadu_ps(o + (r0 + rr) * D + c + v * 16);
+            for (int64_t i = 0; i < (nk + 1) / 2; i++) {
+                const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vw + i * D + c);
+                const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vw + i * D + c + 16);
+                for (int rr = 0; rr < PV_ROWS; rr++) {
+                    const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pw[(r0 + rr) * TILE_K + i]);
+                    acc[rr][0] = _mm512_dpbf16_ps(acc[rr][0], v0, b);
+                    acc[rr][1] = _mm512_dpbf16_ps(acc[rr][1], v1, b);
+                }
+            }
+            for (int rr = 0; rr < PV_ROWS; rr++)
+                for (int v = 0; v < 2; v++)
+                    _mm512_storeu_ps(o + (r0 + rr) * D + c + v * 16, acc[rr][v]);
+        }
+}
+#else                                                /* never called: DOT needs TILE_DOT */
+static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float *p, int64_t R,
+                                   int64_t D, float scale) {
+    (void)qw, (void)kw, (void)p, (void)R, (void)D, (void)scale;
+}
+static inline void tile_v_pairs(const uint16_t *const *rows, int64_t nk, int64_t D,
+                                uint32_t *vw) {
+    (void)rows, (void)nk, (void)D, (void)vw;
+}
+static inline void tile_p_pairs(float *p, int64_t R) { (void)p, (void)R; }
+static inline void tile_pv_dot(const float *p, const uint32_t *vw, float *o, int64_t R,
+                               int64_t D, int64_t nk) {
+    (void)p, (void)vw, (void)o, (void)R, (void)D, (void)nk;
+}
+#endif
+
 /* Query vectors of a tile padded to whole register blocks (QK_ROWS, PV_ROWS divide 8). */
 static inline int64_t padded_rows(int64_t n) { return (n + 7) / 8 * 8; }
 
@@ -263,7 +375,7 @@ static inline int64_t tile_scratch(int64_t group, int64_t D) {
 /* Rows first .. first + rows - 1 of one request (contexts ctx0 .. ctx0 + rows - 1) for one KV
  * head: q/out point at the first row's first head of the group; rows are row_stride apart.
  * Query vector r is row r / group, head r % group. */
-#define DEFINE_TILE_TASK(NAME, T, LOAD, STORE, TK, LOADK)                                     \
+#define DEFINE_TILE_TASK(NAME, T, LOAD, STORE, TK, LOADK, DOT)                                \
 static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const TK *v_head, \
                  const int32_t *table, int64_t ctx0, int64_t rows, int64_t bs,               \
                  int64_t group, int64_t D, float scale, float *scratch) {                     \
@@ -271,15 +383,21 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
     const int64_t R = padded_rows(nr);                                                        \
     float *qf = scratch, *o = qf + R * D, *p = o + R * D, *kt = p + R * TILE_K;               \
     float *vt = kt + TILE_K * D, *lsum = vt + TILE_K * D, *mx = lsum + VL * R;               \
+    uint32_t *qw = (uint32_t *)qf, *kw = (uint32_t *)kt;  /* DOT: bfloat16 pairs, unscaled */ \
     for (int64_t r = 0; r < R; r++) {                                                         \
         const T *qr = q + (r / group) * row_stride + (r % group) * D;                        \
-        for (int64_t d = 0; d < D; d++) qf[r * D + d] = r < nr ? LOAD(qr[d]) * scale : 0.0f;\
+        if (DOT)                                                                              \
+            for (int64_t d = 0; d < D; d += 2)                                                \
+                qw[r * (D / 2) + d / 2] = r < nr ? pair_word(qr + d) : 0u;                    \
+        else                                                                                  \
+            for (int64_t d = 0; d < D; d++) qf[r * D + d] = r < nr ? LOAD(qr[d]) * scale : 0.0f; \
         mx[r] = MASKED;                                                                       \
     }                                                                                         \
     memset(o, 0, sizeof(float) * (size_t)(R * D));                                            \
     memset(lsum, 0, sizeof(float) * (size_t)(VL * R));                                        \
     const int64_t kend = ctx0 + rows - 1;             /* keys the last row sees */           \
     const int64_t RS = D + KV_EXTRA(TK);              /* a cache row's elements */           \
+    const TK *vrows[TILE_K];                          /* DOT: the tile's V rows */           \
     for (int64_t k0 = 0; k0 < kend; k0 += TILE_K) {                                           \
         const int64_t nk = kend - k0 < TILE_K ? kend - k0 : TILE_K;                           \
         for (int64_t j = 0; j < TILE_K; j++) {                                                \
@@ -290,15 +408,24 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
                 prefetch_key(k_head, table, t + TILE_K, kend, bs, RS * (int64_t)sizeof(TK));  \
                 prefetch_key(v_head, table, t + TILE_K, kend, bs, RS * (int64_t)sizeof(TK));  \
                 const float ks = ROW_SCALE(TK, kr, D), vs = ROW_SCALE(TK, vr, D);            \
-                for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOADK(kr[d]) * ks;       \
-                _Pragma("omp simd")                                                           \
-                for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]) * vs;            \
+                if (DOT)                                                                      \
+                    for (int64_t d = 0; d < D; d += 2)                                        \
+                        kw[(d / 2) * TILE_K + j] = pair_word(kr + d);                         \
+                else                                                                          \
+                    for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = LOADK(kr[d]) * ks;   \
+                vrows[j] = vr;                                                                \
+                if (!DOT) {                                                                   \
+                    _Pragma("omp simd")                                                       \
+                    for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]) * vs;        \
+                }                                                                             \
             } else {                                                                          \
                 for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = vt[j * D + d] = 0.0f;   \
             }                                                                                 \
         }                                                                                     \
-        /* Scores: QK_ROWS query vectors at a time against the TILE_K keys. */               \
-        for (int64_t r0 = 0; r0 < R; r0 += QK_ROWS) {                                         \
+        /* Scores: QK_ROWS query vectors at a time against the TILE_K keys (DOT: by        \
+         * vdpbf16ps, two dimensions x VL keys an instruction; tile_scores_dot). */           \
+        if (DOT) tile_scores_dot(qw, kw, p, R, D, scale);                                     \
+        else for (int64_t r0 = 0; r0 < R; r0 += QK_ROWS) {                                    \
             vf acc[QK_ROWS][KV_VECS];                                                         \
             for (int rr = 0; rr < QK_ROWS; rr++)                                              \
                 for (int v = 0; v < KV_VECS; v++) acc[rr][v] = (vf){0};                       \
@@ -335,7 +462,13 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
                 *sum += e;                                                                    \
             }                                                                                 \
         }                                                                                     \
-        /* o += P V: PV_ROWS query vectors x 32 columns of accumulators in registers. */      \
+        /* o += P V: PV_ROWS query vectors x 32 columns of accumulators in registers (DOT: \
+         * by vdpbf16ps over pairs of keys, P rounded to bfloat16; tile_pv_dot). */           \
+        if (DOT) {                                                                            \
+            tile_v_pairs((const uint16_t *const *)vrows, nk, D, (uint32_t *)vt);              \
+            tile_p_pairs(p, R);                                                               \
+            tile_pv_dot(p, (const uint32_t *)vt, o, R, D, nk);                                \
+        } else                                                                                \
         for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS) {                                         \
             for (int64_t c = 0; c < D; c += 32) {                                             \
                 vf acc[PV_ROWS][PV_COLS];                                                     \
@@ -363,9 +496,42 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
     }                                                                                         \
 }
 
-DEFINE_TILE_TASK(tile_task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
-DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32, float, f32_to_f32)
-DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t, bf16_to_f32)
+DEFINE_TILE_TASK(tile_task_bf16_fma, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32, 0)
+DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32, float, f32_to_f32, 0)
+DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t, bf16_to_f32, 0)
+
+/* bfloat16 tiles: scores by vdpbf16ps where set_tile_dot turned it on (the library's loader
+ * does on AMD CPUs with AVX512-BF16), else float32 FMAs. */
+static int tile_dot = 0;
+#ifdef TILE_DOT
+DEFINE_TILE_TASK(tile_task_bf16_dot, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32, 1)
+#endif
+static void tile_task_bf16(const uint16_t *q, uint16_t *out, int64_t row_stride,
+                           const uint16_t *k_head, const uint16_t *v_head, const int32_t *table,
+                           int64_t ctx0, int64_t rows, int64_t bs, int64_t group, int64_t D,
+                           float scale, float *scratch) {
+#ifdef TILE_DOT
+    if (tile_dot) {
+        tile_task_bf16_dot(q, out, row_stride, k_head, v_head, table, ctx0, rows, bs, group, D,
+                           scale, scratch);
+        return;
+    }
+#endif
+    tile_task_bf16_fma(q, out, row_stride, k_head, v_head, table, ctx0, rows, bs, group, D,
+                       scale, scratch);
+}
+
+/* Turn the bfloat16 tiles' vdpbf16ps scores on (1) or off (0); returns 1 where this build has
+ * them (AVX512-BF16), else 0 (and they stay off). */
+int set_tile_dot(int on) {
+#ifdef TILE_DOT
+    tile_dot = on != 0;
+    return 1;
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* --- Decode rows, every ISA ------------------------------------------------------------------
  * One (query row, KV head) pair: `group` query heads against `ctx` keys, each key and value
@@ -845,8 +1011,8 @@ DEFINE_KERNEL(paged_attention_f32_kv_bf16, row_task_bf16, row_task_vec_bf16,
  * P V by their V scales instead. Half the bytes a decode reads per key of a bfloat16 cache. */
 DEFINE_TASK(row_task_i8, int8_t, i8_to_f32)
 DEFINE_ROW_TASK(row_task_vec_i8, int8_t, loadv_i8)
-DEFINE_TILE_TASK(tile_task_f32_kv_i8, float, f32_to_f32, f32_to_f32, int8_t, i8_to_f32)
-DEFINE_TILE_TASK(tile_task_bf16_kv_i8, uint16_t, bf16_to_f32, f32_to_bf16, int8_t, i8_to_f32)
+DEFINE_TILE_TASK(tile_task_f32_kv_i8, float, f32_to_f32, f32_to_f32, int8_t, i8_to_f32, 0)
+DEFINE_TILE_TASK(tile_task_bf16_kv_i8, uint16_t, bf16_to_f32, f32_to_bf16, int8_t, i8_to_f32, 0)
 DEFINE_KERNEL(paged_attention_kv_i8_f32, row_task_i8, row_task_vec_i8, tile_task_f32_kv_i8,
               float, f32_to_f32, f32_to_f32, int8_t)
 DEFINE_KERNEL(paged_attention_kv_i8_bf16, row_task_i8, row_task_vec_i8, tile_task_bf16_kv_i8,

@@ -199,7 +199,25 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.logprobs_rows_f32.restype = None
     logprobs_argtypes: list[Any] = [ptr, i64, i64, i64, ptr, i64] + [ptr] * 4
     lib.logprobs_rows_f32.argtypes = logprobs_argtypes
+    lib.set_tile_dot.restype, lib.set_tile_dot.argtypes = ctypes.c_int, [ctypes.c_int]
+    lib.set_tile_dot(int(tile_dot_pays()))
     return lib
+
+
+def tile_dot_pays() -> bool:
+    """Whether the bfloat16 prefill tiles score by vdpbf16ps (cpu_ops.c tile_scores_dot): on
+    AMD CPUs with AVX512-BF16 (Zen 4, 5), whose vdpbf16ps issues at the rate of float32 FMAs;
+    Intel's issue it at half that rate (their AMX CPUs send long bfloat16 prompts to SDPA)."""
+    from kvflow.workers.hardware import cpu_flags, cpu_vendor
+    return "avx512_bf16" in cpu_flags() and cpu_vendor() == "AuthenticAMD"
+
+
+def set_tile_dot(on: bool) -> bool:
+    """Turn the bfloat16 tiles' vdpbf16ps scores on or off (tests, benchmarks); whether this
+    build has them."""
+    lib = library()
+    assert lib is not None, build_error()
+    return bool(lib.set_tile_dot(int(on)))
 
 
 def _fn(op: str, dtype: torch.dtype) -> Any:

@@ -60,6 +60,11 @@ def cpu_model() -> str:
     return _cpuinfo().get("model name", "unknown CPU")
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id: "AuthenticAMD", "GenuineIntel", ... ("" where none)."""
+    return _cpuinfo().get("vendor_id", "")
+
+
 def native_bf16() -> bool:
     if FLAGS_OVERRIDE in os.environ:
         return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
