@@ -472,12 +472,11 @@ def weight_kind(engine: str, auto_kind: str) -> str:
         # arithmetic (hardware.py); one row reads them in 12 bits: under float32 arithmetic
         # in 12-bit panels where use_panels12(), under bfloat16 in 12-bit pair panels where
         # the CPU multiplies pairs (AVX512-BF16, no AMX) and use_pairs12()
-        from kvflow.kernels import cpu_ops
-        from kvflow.workers.layers.ops import use_panels12, use_pairs12
+        from kvflow.workers.layers.ops import pair_panels, use_panels12, use_pairs12
         if auto_kind == "float32" and use_panels12():
             return "panels12"
-        pairs = cpu_ops.pairs_available() and cpu_ops.gemv_amx_rows() == 0
-        return "pairs12" if auto_kind == "bfloat16" and pairs and use_pairs12() else "bfloat16"
+        return ("pairs12" if auto_kind == "bfloat16" and pair_panels() and use_pairs12()
+                else "bfloat16")
     if engine in WEIGHT_BYTES:
         return engine
     if engine in ("kvflow-int8", "kvflow-int8-kv8"):

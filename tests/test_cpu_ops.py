@@ -8,6 +8,7 @@ strided inputs.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -144,24 +145,32 @@ def test_mixed_batch_matches_torch_backend(kernels: str, dtype: torch.dtype,
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
-@pytest.fixture(params=["fma", "dot"])
-def tile_scores(request: pytest.FixtureRequest, kernels: str) -> Iterator[str]:
-    """The bfloat16 prefill tiles' scores both ways: float32 FMAs, and vdpbf16ps where the
-    build has it (AVX512-BF16: cpu_ops.set_tile_dot; on by default on AMD CPUs only); a
-    build without it says so and keeps the FMAs."""
-    dot = request.param == "dot"
+# The prefill tiles' cases: every (dtype, cache dtype) by float32 FMAs, and bfloat16 over a
+# bfloat16 cache by vdpbf16ps too (scores and P V, P rounded to bfloat16: cpu_ops.set_tile_dot;
+# on by default on AMD CPUs with AVX512-BF16 only).
+TILE_CASES = [(*case, False) for case in KV_CASES] + [(torch.bfloat16, torch.bfloat16, True)]
+
+
+@contextlib.contextmanager
+def tiles_by_dot(dot: bool, kernels: str) -> Iterator[None]:
+    """The bfloat16 tiles by vdpbf16ps (dot) or FMAs within; a build without vdpbf16ps says so
+    (and runs the FMAs)."""
     has = cpu_ops.set_tile_dot(dot)
     assert has == (kernels == "native" and torch.cpu._is_avx512_bf16_supported())
-    yield request.param if has or not dot else "fma"
-    cpu_ops.set_tile_dot(cpu_ops.tile_dot_pays())
+    try:
+        yield
+    finally:
+        cpu_ops.set_tile_dot(cpu_ops.tile_dot_pays())
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
+@pytest.mark.parametrize("dtype,kv_dtype,dot", TILE_CASES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_chunks_match_torch_backend(kernels: str, tile_scores: str, dtype: torch.dtype,
-                                            kv_dtype: torch.dtype, block_size: int) -> None:
+def test_prefill_chunks_match_torch_backend(kernels: str, dtype: torch.dtype,
+                                            kv_dtype: torch.dtype, dot: bool,
+                                            block_size: int) -> None:
     """Prefills alone, as the kernel runs them (each new token a causal row): a whole
-    300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk."""
+    300-token prompt, a 50-token chunk after 120 computed tokens, a one-token chunk; bfloat16
+    tiles by FMAs and by vdpbf16ps."""
     spans = _spans([300, 170, 9], [300, 50, 1], block_size, 120)
     slots = np.zeros(351, dtype=np.int64)
     fast = CpuBackend(block_size, 2, 64, dtype, CPU, kv_dtype)
@@ -169,23 +178,25 @@ def test_prefill_chunks_match_torch_backend(kernels: str, tile_scores: str, dtyp
     k_cache, k_ref = _cache(fast, 120, kv_dtype)
     v_cache, v_ref = _cache(fast, 120, kv_dtype)
     q = torch.randn(351, 8, 64).to(dtype)
-    out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, [], spans), 0.125)
+    with tiles_by_dot(dot, kernels):
+        out = fast.attend(q, k_cache, v_cache, fast.build_metadata(slots, [], spans), 0.125)
     expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, [], spans), 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", KV_CASES)
+@pytest.mark.parametrize("dtype,kv_dtype,dot", TILE_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_prefill_tiles_match_torch_backend(kernels: str, tile_scores: str, dtype: torch.dtype,
-                                           kv_dtype: torch.dtype, num_heads: int,
+def test_prefill_tiles_match_torch_backend(kernels: str, dtype: torch.dtype,
+                                           kv_dtype: torch.dtype, dot: bool, num_heads: int,
                                            num_kv_heads: int, head_dim: int,
                                            block_size: int) -> None:
     """Prefill runs around the tiled path's edges, with decodes between them: 15 rows (by
     rows), exactly 16 and 32 (one tile), 33 after 40 cached tokens (a tile and one row's),
-    and 100 after 3 cached (tiles whose diagonal falls mid key tile). Contexts past one key
-    tile, block size 5 splits key tiles across blocks."""
+    and 100 after 3 cached (tiles whose diagonal falls mid key tile, and odd key counts in a
+    tile: a pair of keys half padding for vdpbf16ps's P V). Contexts past one key tile,
+    block size 5 splits key tiles across blocks; bfloat16 tiles by FMAs and by vdpbf16ps."""
     q_lens = [15, 1, 16, 32, 1, 33, 100]
     contexts = [15, 57, 16, 32, 9, 73, 103]
     num_blocks = sum(-(-c // block_size) for c in contexts) + 3
@@ -200,7 +211,8 @@ def test_prefill_tiles_match_torch_backend(kernels: str, tile_scores: str, dtype
     v_cache, v_ref = _cache(fast, num_blocks, kv_dtype)
     q = torch.randn(num_rows, num_heads, head_dim).to(dtype) * 3    # peaked softmax rows
     meta = fast.build_metadata(slots, decodes, prefills)
-    out = fast.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    with tiles_by_dot(dot, kernels):
+        out = fast.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
     expected = ref.attend(q.float(), k_ref, v_ref,
                           ref.build_metadata(slots, decodes, prefills), head_dim ** -0.5)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
@@ -937,7 +949,7 @@ def test_one_row_12_bit_pair_panels_are_chosen_by_the_cpu(
         linear = ops.choose_ops(torch.device("cpu"), "cpu", torch.bfloat16, True).linear
         assert isinstance(linear, GemvLinear)
         choices[name] = linear.pack_pairs12 is not None
-    here = cpu_ops.pairs_available() and cpu_ops.gemv_amx_rows() == 0
+    here = ops.pair_panels()
     assert choices == {"cpu": here, "off": False, "on": here}
     assert ops.one_row_pairs12(frozenset(flags.split()))
     assert not ops.one_row_pairs12(frozenset("sse4_2 avx avx2 fma avx512f".split()))

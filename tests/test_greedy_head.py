@@ -93,6 +93,14 @@ def _pairs_here(kernels: str) -> bool:
     return kernels == "native" and cpu_ops.pairs_available()
 
 
+def _refuses(kernels: str) -> None:
+    """A build without the pair panels (no AVX512-BF16) refuses a bfloat16 head."""
+    assert not _pairs_here(kernels)
+    head = GreedyHead((torch.randn(64, 32) * 0.05).bfloat16())
+    with pytest.raises(RuntimeError, match="cannot run"):
+        head(torch.randn(1, 32).bfloat16())
+
+
 def reference_pairs(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
     """The LM head's bfloat16 logits as its pair panels compute them, and their argmax."""
     pairs = cpu_ops.pack_pairs(weight)
@@ -110,8 +118,7 @@ def test_pair_panels_tokens_equal_the_full_product_and_argmax(kernels: str, k: i
     w[1:301] = (w[0].float() + torch.randn(300, k, generator=g) * 0.002).bfloat16()
     head = GreedyHead(w)
     if not _pairs_here(kernels):
-        with pytest.raises(RuntimeError, match="cannot run"):
-            head(torch.randn(1, k).bfloat16())
+        _refuses(kernels)
         return
     differs = 0
     for trial in range(60):
@@ -132,8 +139,10 @@ def test_pair_panels_ties_after_rounding(kernels: str) -> None:
     another's by more than the bound's width, but rounds to the same bfloat16, wins when it
     comes first (the argmax of the rounded logits), so it must stay a candidate; after the
     other it loses; an exact copy after: the first wins. The two rows hold multiples of
-    1/8 up to 127/8, so their int8 copies are exact and the bound is narrow (~0.04 here)."""
+    1/8 up to 127/8, so their int8 copies are exact and the bound is narrow (~0.04 here).
+    A build without pair panels refuses."""
     if not _pairs_here(kernels):
+        _refuses(kernels)
         return
     g = torch.Generator().manual_seed(6)
     k = 64
@@ -158,7 +167,10 @@ def test_pair_panels_ties_after_rounding(kernels: str) -> None:
 
 
 def test_pair_panels_rows_the_bound_cannot_decide_fall_back(kernels: str) -> None:
+    """As test_rows_the_bound_cannot_decide_fall_back, with bfloat16 x; a build without pair
+    panels refuses."""
     if not _pairs_here(kernels):
+        _refuses(kernels)
         return
     w = (torch.randn(32 * 4, 32, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
     head = GreedyHead(w)

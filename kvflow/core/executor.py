@@ -7,6 +7,7 @@ subscriber is connected, and this handshake guarantees no plan is lost that way.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -158,8 +159,9 @@ class MultiprocExecutor:
 
     def check_alive(self, ready: Mapping[object, int] | None = None) -> None:
         """Raise WorkerFailure if a worker has exited, and service the nodes' heartbeats.
-        `ready`: a poll's result over `watched`, where a worker's exit shows (its pidfd
-        turns readable and stays so): with it, the exit codes are read only then."""
+        `ready`: the result of a poll that includes every fd of `watched`, where a worker's
+        exit shows (its pidfd turns readable and stays so): with it, the exit codes are read
+        only then."""
         if ready is not None and self.nodes is None and not any(s in ready
                                                                 for s in self.sentinels):
             return
@@ -265,7 +267,11 @@ class MultiprocExecutor:
         except zmq.ZMQError:
             pass
         deadline = time.monotonic() + grace
+        poller = getattr(self, "_poller", None)
         for p in self.procs:
+            if poller is not None and p.sentinel >= 0:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(p.sentinel)        # stop() closes it
             p.stop(max(0.1, deadline - time.monotonic()))
         if self.auth is not None:
             self.auth.stop()

@@ -936,7 +936,8 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
  * group numbers (panel * groups a panel + group, ascending), padding to 64 bytes; then each
  * panel's groups, each [16 table bytes][gk PANEL low bytes][gk PANEL / 2 nibble bytes] (gk:
  * the group's inputs, P12_G but for a panel's last group); then the E whole groups, P12_G
- * PANEL bfloat16 words each (a panel's layout, [input][PANEL]). K must be even. */
+ * PANEL bfloat16 words each (a panel's layout, [input][PANEL]; the 12-bit pair panels': the
+ * pair panels' [input pair][PANEL][2]). K must be even. */
 #if defined(VL) && (VL == 8 || defined(__AVX512BW__))
 #define P12 1
 #define P12_G (1024 / PANEL)             /* inputs a group: 64 on AVX2, 32 on AVX-512 */
@@ -1575,11 +1576,12 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
  * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
  * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
  * this path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
- * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0), or
- * T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no in_scale).
+ * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0) or its
+ * 12-bit copy T_BF16_PANELS12 (K even), or T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no
+ * in_scale) or its 12-bit copy T_BF16_PAIRS12 (the same, and one row of x).
  * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
- * (no AMX, x not bf16, K % 32 or N % 16 not 0), or T_BF16_PANELS / T_BF16_PAIRS and this
- * build or these operands cannot. */
+ * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
+ * these operands cannot. */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
@@ -1940,6 +1942,32 @@ static int64_t greedy_exact(const float *w, int64_t K, const float *x, const int
 }
 #endif
 
+#ifdef VL
+/* Row x's bound factors (greedy_head's comment): fe multiplies a row's err, fn its norm;
+ * x float32 or bfloat16 (bf16), pairs: the pair panels' flushed denormals too (fn, and the
+ * absolute slack f0). 0 where the bound cannot decide (x ~ 0: every row ties; or past 1e30).
+ * c counts two float32 sums' roundings (the int8 product's and the exact one's), K each:
+ * enough for any order and for a rounding of up to one ulp a step. */
+static int greedy_factors(const void *x, int bf16, int pairs, int64_t K, float *fe, float *fn,
+                          float *f0) {
+    const double u = 5.9604644775390625e-08, tiny = 2.3509887016445750e-38;  /* 2^-24, 2^-125 */
+    double nx2 = 0.0, peak = 0.0;
+    for (int64_t k = 0; k < K; k++) {
+        const double v = bf16 ? gemv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        nx2 += v * v;
+        peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
+    }
+    const double nx = __builtin_sqrt(nx2) * (1.0 + 1e-6);
+    const double dq = 0.5 * __builtin_sqrt((double)K) * (peak / xq_max(K)) * (1.0 + 1e-6)
+                      + 4.0 * u * nx;
+    const double c = (double)(K + 8) * 2.0 * u * 1.01;
+    *fe = (float)(nx * 1.0001);
+    *fn = (float)((dq + c * (nx + dq) + (pairs ? K * tiny : 0.0)) * 1.0001);
+    *f0 = pairs ? (float)(K * tiny * (peak + 2.0)) : 0.0f;
+    return nx > 1e-20 && nx < 1e30;
+}
+#endif
+
 int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *wq,
                 int wq_type, const float *scales, const float *err, const float *norm,
                 const float *w, float *approx, int64_t *cand, int64_t *out,
@@ -1958,22 +1986,11 @@ int greedy_head(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w
     const int code = gemv(x, T_F32, K, M, wq, wq_type, scales, NULL, NULL, N, K, approx,
                           T_F32, N);
     if (code) return code;
-    const double u = 5.9604644775390625e-08;                /* 2^-24 */
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
-        double nx2 = 0.0, peak = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            const double v = xm[k];
-            nx2 += v * v;
-            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
-        }
-        const double nx = __builtin_sqrt(nx2) * (1.0 + 1e-6);
-        const double dq = 0.5 * __builtin_sqrt((double)K) * (peak / xq_max(K)) * (1.0 + 1e-6)
-                          + 4.0 * u * nx;
-        const double c = (double)(K + 8) * 2.0 * u * 1.01;
-        const float fe = (float)(nx * 1.0001), fn = (float)((dq + c * (nx + dq)) * 1.0001);
-        if (!(nx > 1e-20 && nx < 1e30)) return 3;   /* all rows tie (x ~ 0) or overflow */
-        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, 0.0f, 0,
+        float fe, fn, f0;
+        if (!greedy_factors(xm, 0, 0, K, &fe, &fn, &f0)) return 3;
+        const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, f0, 0,
                                                 cand);
         if (count == 0) return 3;
         num_cand[m] = count;
@@ -2032,23 +2049,10 @@ int greedy_head_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t N, const 
     const int code = gemv(x, T_BF16, K, M, wq, wq_type, scales, NULL, NULL, N, K, approx,
                           T_F32, N);
     if (code) return code;
-    const double u = 5.9604644775390625e-08, tiny = 2.3509887016445750e-38;  /* 2^-24, 2^-125 */
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xm = x + m * K;
-        double nx2 = 0.0, peak = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            const double v = gemv_bf16_to_f32(xm[k]);
-            nx2 += v * v;
-            peak = (v < 0 ? -v : v) > peak ? (v < 0 ? -v : v) : peak;
-        }
-        const double nx = __builtin_sqrt(nx2) * (1.0 + 1e-6);
-        const double dq = 0.5 * __builtin_sqrt((double)K) * (peak / xq_max(K)) * (1.0 + 1e-6)
-                          + 4.0 * u * nx;
-        const double c = (double)(K + 8) * 2.0 * u * 1.01;
-        const float fe = (float)(nx * 1.0001);
-        const float fn = (float)((dq + c * (nx + dq) + K * tiny) * 1.0001);
-        const float f0 = (float)(K * tiny * (peak + 2.0));
-        if (!(nx > 1e-20 && nx < 1e30)) return 3;   /* all rows tie (x ~ 0) or overflow */
+        float fe, fn, f0;
+        if (!greedy_factors(xm, 1, 1, K, &fe, &fn, &f0)) return 3;
         const int64_t count = greedy_candidates(approx + m * N, err, norm, N, fe, fn, f0, 1,
                                                 cand);
         if (count == 0) return 3;

@@ -233,7 +233,8 @@ static inline float hsum(vf v) {
 #define KV_VECS (TILE_K / VL)      /* score vectors per query vector and key tile */
 #define PV_COLS (32 / VL)          /* column vectors of V summed at once: 32 columns */
 
-static inline int tile_supported(int64_t D) { return D % 32 == 0 && D <= 256; }
+#define TILE_MAX_D 256         /* head sizes the tiles take: multiples of 32 up to this */
+static inline int tile_supported(int64_t D) { return D % 32 == 0 && D <= TILE_MAX_D; }
 
 typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(VL * 4)));
 
@@ -266,8 +267,9 @@ static inline uint32_t pair_word(const void *p) {
 
 /* The tiles' scores by vdpbf16ps (DOT, bfloat16 queries and cache): qw [R][D / 2] and the key
  * tile kw [D / 2][TILE_K] as pairs of dimensions, p [R][TILE_K] = scale q k. Products of two
- * bfloat16 are exact in float32, so the sums round as the float32 FMAs' do, in another order
- * (pairs), and the scale multiplies the sum instead of the query. */
+ * bfloat16 are exact in float32, so the sums are float32 sums as the FMAs' are, in another
+ * order (pairs), with denormals flushed to 0, and the scale multiplies the sum instead of
+ * the query. */
 #if VL == 16 && defined(__AVX512BF16__)
 #define TILE_DOT 1
 static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float *p, int64_t R,
@@ -300,7 +302,7 @@ static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float
  * flash attention's P V runs on GPUs; the softmax's sums stay those of the float32 P. */
 static inline void tile_v_pairs(const uint16_t *const *rows, int64_t nk, int64_t D,
                                 uint32_t *vw) {
-    static const uint16_t zero[256] __attribute__((aligned(64)));
+    static const uint16_t zero[TILE_MAX_D] __attribute__((aligned(64)));
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
@@ -326,8 +328,7 @@ static inline void tile_p_pairs(float *p, int64_t R) {
 
 static inline void tile_pv_dot(const float *p, const uint32_t *vw, float *o, int64_t R,
                                int64_t D, int64_t nk) {
-    const uint32_t *pw = (const uint32_t *)p;        /* row r: TILE_K / 2 words, TILE_K apart */
-    for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS)
+    for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS)       /* P row r: TILE_K / 2 pair words */
         for (int64_t c = 0; c < D; c += 32) {
             __m512 acc[PV_ROWS][2];
             for (int rr = 0; rr < PV_ROWS; rr++)
@@ -337,7 +338,8 @@ static inline void tile_pv_dot(const float *p, const uint32_t *vw, float *o, int
                 const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vw + i * D + c);
                 const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vw + i * D + c + 16);
                 for (int rr = 0; rr < PV_ROWS; rr++) {
-                    const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pw[(r0 + rr) * TILE_K + i]);
+                    const uint32_t pair = pair_word(p + (r0 + rr) * TILE_K + i);
+                    const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);
                     acc[rr][0] = _mm512_dpbf16_ps(acc[rr][0], v0, b);
                     acc[rr][1] = _mm512_dpbf16_ps(acc[rr][1], v1, b);
                 }
@@ -500,10 +502,11 @@ DEFINE_TILE_TASK(tile_task_bf16_fma, uint16_t, bf16_to_f32, f32_to_bf16, uint16_
 DEFINE_TILE_TASK(tile_task_f32, float, f32_to_f32, f32_to_f32, float, f32_to_f32, 0)
 DEFINE_TILE_TASK(tile_task_f32_kv_bf16, float, f32_to_f32, f32_to_f32, uint16_t, bf16_to_f32, 0)
 
-/* bfloat16 tiles: scores by vdpbf16ps where set_tile_dot turned it on (the library's loader
- * does on AMD CPUs with AVX512-BF16), else float32 FMAs. */
-static int tile_dot = 0;
+/* bfloat16 tiles: scores and P V by vdpbf16ps where set_tile_dot turned it on (the library's
+ * loader does on AMD CPUs with AVX512-BF16), else float32 FMAs. Read by every tile task: set
+ * it between kernel calls only. */
 #ifdef TILE_DOT
+static int tile_dot = 0;
 DEFINE_TILE_TASK(tile_task_bf16_dot, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32, 1)
 #endif
 static void tile_task_bf16(const uint16_t *q, uint16_t *out, int64_t row_stride,
@@ -521,8 +524,9 @@ static void tile_task_bf16(const uint16_t *q, uint16_t *out, int64_t row_stride,
                        scale, scratch);
 }
 
-/* Turn the bfloat16 tiles' vdpbf16ps scores on (1) or off (0); returns 1 where this build has
- * them (AVX512-BF16), else 0 (and they stay off). */
+/* Turn the bfloat16 tiles' vdpbf16ps scores and P V (P rounded to bfloat16) on (1) or off
+ * (0), between kernel calls; returns 1 where this build has them (AVX512-BF16), else 0 (and
+ * they stay off). */
 int set_tile_dot(int on) {
 #ifdef TILE_DOT
     tile_dot = on != 0;

@@ -205,16 +205,17 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def tile_dot_pays() -> bool:
-    """Whether the bfloat16 prefill tiles score by vdpbf16ps (cpu_ops.c tile_scores_dot): on
-    AMD CPUs with AVX512-BF16 (Zen 4, 5), whose vdpbf16ps issues at the rate of float32 FMAs;
-    Intel's issue it at half that rate (their AMX CPUs send long bfloat16 prompts to SDPA)."""
+    """Whether the bfloat16 prefill tiles compute their scores and P V by vdpbf16ps (P rounded
+    to bfloat16; cpu_ops.c tile_scores_dot, tile_pv_dot): on AMD CPUs with AVX512-BF16 (Zen
+    4, 5), whose vdpbf16ps issues at the rate of float32 FMAs; Intel's issue it at half that
+    rate (their AMX CPUs send long bfloat16 prompts to SDPA)."""
     from kvflow.workers.hardware import cpu_flags, cpu_vendor
     return "avx512_bf16" in cpu_flags() and cpu_vendor() == "AuthenticAMD"
 
 
 def set_tile_dot(on: bool) -> bool:
-    """Turn the bfloat16 tiles' vdpbf16ps scores on or off (tests, benchmarks); whether this
-    build has them."""
+    """Turn the bfloat16 tiles' vdpbf16ps path on or off (tests, benchmarks; not while a
+    kernel runs); whether this build has it."""
     lib = library()
     assert lib is not None, build_error()
     return bool(lib.set_tile_dot(int(on)))

@@ -111,7 +111,8 @@ class GreedyHead:
         if code == 1:
             raise MemoryError("greedy_head could not allocate its scratch memory")
         if code:
-            raise RuntimeError("greedy_head: this build cannot run the int8 LM head copy")
+            raise RuntimeError("greedy_head: this build cannot run it (the int8 LM head copy, "
+                               "or for bfloat16 pair panels AVX512-BF16)")
         self.last_candidates = self._counts[:m].tolist()
         return self._out[:m].tolist()
 

@@ -215,7 +215,8 @@ class GemvOperands(NamedTuple):
     scales: torch.Tensor | None          # int8: float32 per output row
     in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
     layout: str = "rows"                 # row-major, or GemvWeight.layout's other layouts
-    one_row: torch.Tensor | None = None  # GemvWeight.one_row: for one row, in "panels12"
+    one_row: torch.Tensor | None = None  # GemvWeight.one_row: for one row, 12-bit panels
+                                         # (layout "panels") or pair panels ("pairs")
 
 
 def gemv_operands(prepared: Any) -> GemvOperands | None:

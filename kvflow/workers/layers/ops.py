@@ -127,6 +127,13 @@ def use_pairs12() -> bool:
     return one_row_pairs12(cpu_flags()) if ONE_ROW_PAIRS12 is None else ONE_ROW_PAIRS12
 
 
+def pair_panels() -> bool:
+    """Whether bfloat16 weights of the gemv kernel are held in pair panels here: the kernels'
+    build has AVX512-BF16 and the CPU no AMX (whose tiles take bfloat16 instead)."""
+    from kvflow.kernels import cpu_ops
+    return cpu_ops.pairs_available() and cpu_ops.gemv_amx_rows() == 0
+
+
 def compiled_ops() -> Ops:
     compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
     return Ops("compiled", compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul),
@@ -176,8 +183,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
                                 cpu_ops.pack_panels12 if use_panels12() else None,
                                 cpu_ops.pack_pairs,
-                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and not amx_rows
-                                and cpu_ops.pairs_available() else 0,
+                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and pair_panels()
+                                else 0,
                                 cpu_ops.pack_pairs12 if use_pairs12() else None)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
