@@ -235,6 +235,8 @@ static inline float hsum(vf v) {
 
 #define TILE_MAX_D 256         /* head sizes the tiles take: multiples of 32 up to this */
 static inline int tile_supported(int64_t D) { return D % 32 == 0 && D <= TILE_MAX_D; }
+/* The row a key past a tile's end reads (K, and V where vdpbf16ps pairs the keys): zeros. */
+static const float tile_zero[TILE_MAX_D] __attribute__((aligned(64)));
 
 typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(VL * 4)));
 
@@ -297,19 +299,17 @@ static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float
 }
 
 /* P V by vdpbf16ps too: the tile's V rows interleaved by pairs of keys, vw [TILE_K / 2][D]
- * words (key 2i's value and key 2i + 1's at each column; a key past the tile's nk reads 0),
+ * words (key 2i's value and key 2i + 1's at each column; a key past the tile's end reads
+ * tile_zero),
  * and each row's P rounded to bfloat16 pairs in place (p row r's first TILE_K / 2 words), as
  * flash attention's P V runs on GPUs; the softmax's sums stay those of the float32 P. */
-static inline void tile_v_pairs(const uint16_t *const *rows, int64_t nk, int64_t D,
-                                uint32_t *vw) {
-    static const uint16_t zero[TILE_MAX_D] __attribute__((aligned(64)));
+static inline void tile_v_pairs(const uint16_t *const *rows, int64_t D, uint32_t *vw) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t i = 0; i < TILE_K / 2; i++) {
-        const uint16_t *a = 2 * i < nk ? rows[2 * i] : zero;
-        const uint16_t *b = 2 * i + 1 < nk ? rows[2 * i + 1] : zero;
+        const uint16_t *a = rows[2 * i], *b = rows[2 * i + 1];
         for (int64_t c = 0; c < D; c += 32) {
             const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
             _mm512_storeu_si512(vw + i * D + c, _mm512_permutex2var_epi16(va, lo, vb));
@@ -354,9 +354,8 @@ static inline void tile_scores_dot(const uint32_t *qw, const uint32_t *kw, float
                                    int64_t D, float scale) {
     (void)qw, (void)kw, (void)p, (void)R, (void)D, (void)scale;
 }
-static inline void tile_v_pairs(const uint16_t *const *rows, int64_t nk, int64_t D,
-                                uint32_t *vw) {
-    (void)rows, (void)nk, (void)D, (void)vw;
+static inline void tile_v_pairs(const uint16_t *const *rows, int64_t D, uint32_t *vw) {
+    (void)rows, (void)D, (void)vw;
 }
 static inline void tile_p_pairs(float *p, int64_t R) { (void)p, (void)R; }
 static inline void tile_pv_dot(const float *p, const uint32_t *vw, float *o, int64_t R,
@@ -389,7 +388,6 @@ static inline __attribute__((always_inline)) void transpose_vl(vf m[VL]) {
  * float32 tiles' time, and this 4-5% less on an AMD EPYC Zen 5 (a 2048-token prompt 17.6 ->
  * 16.8 ms a layer). AVX2 has no two-source permute: there the blocks ran 3-5% slower than
  * the scalar loop, which it keeps. */
-static const float tile_zero[TILE_MAX_D] __attribute__((aligned(64)));   /* padding keys */
 #define DEFINE_TILE_KT(NAME, TK, LOADK)                                                       \
 static inline void NAME(const TK *const *rows, const float *ks, int64_t D, float *kt) {      \
     if (VL != 16) {                                                                           \
@@ -445,7 +443,7 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
     memset(lsum, 0, sizeof(float) * (size_t)(VL * R));                                        \
     const int64_t kend = ctx0 + rows - 1;             /* keys the last row sees */           \
     const int64_t RS = D + KV_EXTRA(TK);              /* a cache row's elements */           \
-    const TK *vrows[TILE_K], *krows[TILE_K];          /* DOT: V rows; else K rows */         \
+    const TK *vrows[TILE_K], *krows[TILE_K];          /* the tile's rows (DOT: V's only) */  \
     float kscale[TILE_K];                             /* the K rows' scales (int8) */        \
     for (int64_t k0 = 0; k0 < kend; k0 += TILE_K) {                                           \
         const int64_t nk = kend - k0 < TILE_K ? kend - k0 : TILE_K;                           \
@@ -467,7 +465,7 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
                     for (int64_t d = 0; d < D; d++) vt[j * D + d] = LOADK(vr[d]) * vs;        \
                 }                                                                             \
             } else {                                                                          \
-                krows[j] = (const TK *)tile_zero, kscale[j] = 0.0f;                           \
+                krows[j] = vrows[j] = (const TK *)tile_zero, kscale[j] = 0.0f;                \
                 for (int64_t d = 0; d < D; d++) kt[d * TILE_K + j] = vt[j * D + d] = 0.0f;   \
             }                                                                                 \
         }                                                                                     \
@@ -515,7 +513,7 @@ static void NAME(const T *q, T *out, int64_t row_stride, const TK *k_head, const
         /* o += P V: PV_ROWS query vectors x 32 columns of accumulators in registers (DOT: \
          * by vdpbf16ps over pairs of keys, P rounded to bfloat16; tile_pv_dot). */           \
         if (DOT) {                                                                            \
-            tile_v_pairs((const uint16_t *const *)vrows, nk, D, (uint32_t *)vt);              \
+            tile_v_pairs((const uint16_t *const *)vrows, D, (uint32_t *)vt);                  \
             tile_p_pairs(p, R);                                                               \
             tile_pv_dot(p, (const uint32_t *)vt, o, R, D, nk);                                \
         } else                                                                                \
