@@ -31,9 +31,9 @@ its baseline in the same run:
 
 --block-size sets the cache's block size (the engine's default: 16); --huge-pages puts the
 whole cache in 2 MB pages, as workers/kv_cache.py holds it. On an AMD EPYC Zen 5 (2 threads,
-32 rows of ~400 keys over 30 layers, bfloat16) neither moved decode attention: blocks of 16,
-32, 64, 128 tokens 9.4, 10.9 (64) and 12.7 (128) ms in runs, 13.0-13.8 scattered; 2 MB pages
-9.1 vs 9.4 ms. The kernel reads 42-48 GB/s with the cache in L2/L3 (`--layers 1 --batch 8`)
+32 rows of ~400 keys over 30 layers, bfloat16) neither helped decode attention: blocks of 16,
+32, 64, 128 tokens 9.6, 10.4, 11.1, 12.7 ms in runs, 13.0, 12.9, 13.4, 13.8 scattered; 2 MB
+pages 9.1 vs 9.4 ms in runs. The kernel reads 42-48 GB/s with the cache in L2/L3 (`--layers 1 --batch 8`)
 and 33-37 from memory in runs: it is bound by its own work more than by memory there.
 
 With --kv-dtype int8 the cpu backend reads an int8 cache (kv_cache_dtype="int8": rows of
