@@ -29,12 +29,15 @@ its baseline in the same run:
     python benchmarks/cpu_kernels.py --batch 64 --context 400 [--dtype float32]
         [--kv-dtype bfloat16|int8] [--isa avx2] [--block-size 16] [--huge-pages]
 
---block-size sets the cache's block size (the engine's default: 16); --huge-pages puts the
-whole cache in 2 MB pages, as workers/kv_cache.py holds it. On an AMD EPYC Zen 5 (2 threads,
-32 rows of ~400 keys over 30 layers, bfloat16) neither helped decode attention: blocks of 16,
-32, 64, 128 tokens 9.6, 10.4, 11.1, 12.7 ms in runs, 13.0, 12.9, 13.4, 13.8 scattered; 2 MB
-pages 9.1 vs 9.4 ms in runs. The kernel reads 42-48 GB/s with the cache in L2/L3 (`--layers 1 --batch 8`)
-and 33-37 from memory in runs: it is bound by its own work more than by memory there.
+--block-size sets the cache's block size (a power of two; the engine's default: 16);
+--huge-pages puts the cpu backend's cache in one tensor in 2 MB pages, [K/V, layer, ...] as
+workers/kv_cache.py holds the engine's (the torch backend's dequantized copies, where
+--kv-dtype differs from --dtype, stay in torch's allocations). On an AMD EPYC Zen 5 (2
+threads, 32 rows of ~400 keys over 30 layers, bfloat16) neither helped decode attention:
+blocks of 16, 32, 64, 128 tokens 9.6, 10.4, 11.1, 12.7 ms in runs, 13.0, 12.9, 13.4, 13.8
+scattered; in runs 9.1 ms with 2 MB pages against 9.4 with 4 KB ones (within the noise),
+scattered the same. The kernel reads 42-48 GB/s with the cache in L2/L3 (`--layers 1 --batch
+8`) and 33-37 GB/s from memory in runs: it is bound by its own work more than by memory.
 
 With --kv-dtype int8 the cpu backend reads an int8 cache (kv_cache_dtype="int8": rows of
 int8 values and their scale) and the torch backend the same values dequantized into --dtype.
@@ -231,12 +234,15 @@ def main() -> None:
                         help="the decode-shaped linear's GB/s instead (see above)")
     parser.add_argument("--rows", type=int, default=1, help="--gemv: rows of x")
     parser.add_argument("--block-size", type=int, default=16,
-                        help="attention: the KV cache's block size in tokens")
+                        help="attention: the KV cache's block size in tokens (a power of "
+                             "two, as the engine takes)")
     parser.add_argument("--huge-pages", action="store_true",
                         help="the gemv's weight copies (--gemv) or the KV cache in 2 MB pages, "
                              "as the engine holds them (workers/huge_pages.py); else in "
                              "torch's allocations")
     args = parser.parse_args()
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        parser.error(f"--block-size {args.block_size}: must be a power of two")
     torch.set_num_threads(args.threads)
     if cpu_ops.library() is None:
         raise SystemExit(f"the C kernels did not build: {cpu_ops.build_error()}")
@@ -261,14 +267,15 @@ def main() -> None:
     caches = [[cpu_ops.quantize_kv_rows(torch.randn(values)) if kv_dtype == torch.int8
                else torch.randn(values).to(kv_dtype)
                for _ in range(2)] for _ in range(args.layers)]  # a cache per layer
-    if args.huge_pages:               # one tensor in 2 MB pages, as workers/kv_cache.py holds it
+    pages = "torch allocations"
+    if args.huge_pages:     # one tensor [K/V, layer, ...] in 2 MB pages, as workers/kv_cache.py
         from kvflow.workers.huge_pages import advise
-        whole = torch.empty((args.layers, 2, *caches[0][0].shape), dtype=caches[0][0].dtype)
-        advise(whole)
+        whole = torch.empty((2, args.layers, *caches[0][0].shape), dtype=caches[0][0].dtype)
+        pages = "2 MB pages" if advise(whole) else "torch allocations (2 MB pages refused)"
         for i, pair in enumerate(caches):
             for j, t in enumerate(pair):
-                whole[i, j].copy_(t)
-                pair[j] = whole[i, j]
+                whole[j, i].copy_(t)
+                pair[j] = whole[j, i]
     row_bytes = caches[0][0].shape[-1] * kv_dtype.itemsize       # an int8 row: + its scale
     kv_bytes = 2 * sum(contexts) * kv_heads * row_bytes * args.layers
     layers = {"cpu": caches, "torch": caches if kv_dtype == dtype else [   # torch: its dtype's
@@ -277,7 +284,7 @@ def main() -> None:
     slots = np.zeros(args.batch, dtype=np.int64)
     print(f"decode attention, {args.layers} layers, batch {args.batch}, mean context "
           f"{np.mean(contexts):.0f} ({kv_bytes / 1e6:.0f} MB of K/V a step), {args.dtype} "
-          f"({kv_dtype} cache), "
+          f"({kv_dtype} cache in {pages}, blocks of {block_size}), "
           f"kernels built for {args.isa}, {args.threads} threads")
     for placement in ("runs", "scattered"):
         spans = spans_for(contexts, [1] * args.batch, block_size, num_blocks, placement, rng)
