@@ -36,8 +36,9 @@ workers/kv_cache.py holds the engine's (the torch backend's dequantized copies, 
 threads, 32 rows of ~400 keys over 30 layers, bfloat16) neither helped decode attention:
 blocks of 16, 32, 64, 128 tokens 9.6, 10.4, 11.1, 12.7 ms in runs, 13.0, 12.9, 13.4, 13.8
 scattered; in runs 9.1 ms with 2 MB pages against 9.4 with 4 KB ones (within the noise),
-scattered the same. The kernel reads 42-48 GB/s with the cache in L2/L3 (`--layers 1 --batch
-8`) and 33-37 GB/s from memory in runs: it is bound by its own work more than by memory.
+scattered the same. The kernel reads 64 GB/s with the cache in L3 (`--layers 1 --batch 16
+--context 800`, 10 MB) and 33-37 GB/s from memory in runs (a 47-50 GB/s reading): memory
+latency, not its arithmetic, is what holds it there.
 
 With --kv-dtype int8 the cpu backend reads an int8 cache (kv_cache_dtype="int8": rows of
 int8 values and their scale) and the torch backend the same values dequantized into --dtype.
