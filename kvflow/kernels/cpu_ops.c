@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_GROUP 16       /* query heads per KV head handled on the stack */
 
@@ -702,13 +705,43 @@ static inline void row_start(const void *k_head, const void *v_head, const int32
 #define SCORE_HEADS 3            /* query heads x SCORE_KEYS keys of score sums in registers */
 #define SCORE_KEYS (VL == 16 ? 8 : 4)
 
+/* The next task's rows, fetched into L2 while this task sums P V. The score pass reads K and
+ * V from memory (row_prefetch), but the P V pass reads V from L2 and then the softmax and sums
+ * leave memory idle: a thread's time was its arithmetic plus its waiting, and blocks that lie
+ * apart, each a new stream to the hardware prefetcher, waited longest. So each P V step
+ * fetches one key row of K and V of the task this thread will likely take next (ahead_of), a
+ * block that continues a run only where the run starts (the hardware prefetcher streams the
+ * rest). 32 rows of ~400 keys over 30 layers' caches (benchmarks/cpu_kernels.py --batch 32
+ * --context 400 --layers 30 --huge-pages, AMD EPYC Zen 5, 2 threads), while the VM's memory
+ * was slow (scattered blocks took 12+ ms): blocks scattered 12.2 -> 10.4 ms, in runs 9.1 ->
+ * 8.5; the AVX2 build 12.2 -> 11.9 and 9.5 -> 9.1 (alternating, 4 pairs each). Later, with
+ * memory faster (scattered 10 ms before): the same, within the noise (6 pairs). */
+typedef struct {
+    const char *k, *v;             /* the next task's KV head */
+    const int32_t *table;
+    int64_t left, blk, off, bs, row_bytes;   /* rows still to fetch; the next one's place */
+    int64_t first;                 /* its first block */
+} Ahead;
+static inline void ahead_step(Ahead *a) {
+    if (a == NULL || a->left <= 0) return;
+    if (a->off == 0 && a->blk > a->first && a->table[a->blk] == a->table[a->blk - 1] + 1) {
+        a->left -= a->bs, a->blk++;      /* a run goes on: the hardware prefetcher has it */
+        return;
+    }
+    const int64_t at = ((int64_t)a->table[a->blk] * a->bs + a->off) * a->row_bytes;
+    prefetch_bytes(a->k + at, a->row_bytes, 1);
+    prefetch_bytes(a->v + at, a->row_bytes, 1);
+    a->left--;
+    if (++a->off == a->bs) a->off = 0, a->blk++;
+}
+
 /* acc[g] = sum over keys t in [tb, te) of p[g][t - tb] V[t], for G heads (scores ctx16
  * apart) and C VL columns from c0 on. */
 #define DEFINE_ROW_V(NAME, TK, LOADV)                                                          \
 static inline __attribute__((always_inline)) void NAME(                                       \
         const TK *v_head, const int32_t *table, int64_t tb, int64_t te, int64_t bs, int64_t D, \
         const float *scores, int64_t ctx16, int64_t c0, float *acc, const int G,               \
-        const int C) {                                                                        \
+        const int C, Ahead *ahead) {                                                          \
     vf a[ROW_HEADS][ROW_COLS];                                                                \
     for (int g = 0; g < G; g++)                                                               \
         for (int c = 0; c < C; c++) a[g][c] = (vf){0};                                        \
@@ -720,6 +753,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float *sc = scores + start - tb;                                                \
         for (int64_t t = 0; t < n; t++, row += RS) {                                          \
             vf p[ROW_HEADS];                                                                  \
+            ahead_step(ahead);                                                                \
             const float vs = ROW_SCALE(TK, row - c0, D);                                      \
             for (int g = 0; g < G; g++) p[g] = (vf){0} + sc[g * ctx16 + t] * vs;              \
             for (int c = 0; c < C; c++) {                                                     \
@@ -760,7 +794,7 @@ static inline __attribute__((always_inline)) void NAME##_s(                     
 static inline __attribute__((always_inline)) void NAME##_d(                                   \
         const float *qf, const TK *k_head, const TK *v_head, const int32_t *table, int64_t tb, \
         int64_t te, int64_t bs, int64_t group, const int64_t D, float *scores, float *acc,   \
-        float *ml) {                                                                          \
+        float *ml, Ahead *ahead) {                                                            \
     const int64_t ctx = te - tb, ctx16 = (ctx + 15) & ~(int64_t)15, nv = D / VL;             \
     /* the VL keys' rows (a zero row past the context), their partial sums per head */     \
     static const TK zero_row[256 + 4] __attribute__((aligned(64)));   /* + an int8 scale */  \
@@ -822,8 +856,10 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
             /* constant G and C in each call, so that the sums stay in registers */        \
             _Pragma("GCC unroll 4") for (int G = 1; G <= ROW_HEADS; G++)                     \
                 if (gn == G) {                                                                \
-                    if (wide) NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, ac, G, 4); \
-                    else NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, ac, G, 2); \
+                    if (wide) NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, ac, G, 4, \
+                                       ahead);                                                \
+                    else NAME##_v(v_head, table, tb, te, bs, D, sc, ctx16, c0, ac, G, 2,      \
+                                  ahead);                                                     \
                 }                                                                             \
         }                                                                                     \
     if (ml) return;                                                                           \
@@ -833,11 +869,12 @@ static inline __attribute__((always_inline)) void NAME##_d(                     
 /* A constant head_dim lets the compiler unroll the loops over it. */                       \
 static void NAME(const float *qf, const TK *k_head, const TK *v_head, const int32_t *table,  \
                  int64_t tb, int64_t te, int64_t bs, int64_t group, int64_t D, float *scores, \
-                 float *acc, float *ml) {                                                     \
-    if (D == 64) NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 64, scores, acc, ml); \
+                 float *acc, float *ml, Ahead *ahead) {                                      \
+    if (D == 64)                                                                              \
+        NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 64, scores, acc, ml, ahead);   \
     else if (D == 128)                                                                        \
-        NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 128, scores, acc, ml);         \
-    else NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, D, scores, acc, ml);          \
+        NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, 128, scores, acc, ml, ahead);  \
+    else NAME##_d(qf, k_head, v_head, table, tb, te, bs, group, D, scores, acc, ml, ahead);   \
 }
 
 DEFINE_ROW_TASK(row_task_vec_bf16, uint16_t, loadv_bf16)
@@ -930,6 +967,32 @@ static void combine_segments(const float *parts, int64_t nseg, int64_t stride, i
     }
 }
 
+/* The task this thread will likely take next, where it is a decode row's (else NULL): with
+ * dynamic scheduling the threads take the tasks in turn, so the one as many tasks on as there
+ * are threads. Its rows as ahead_step walks them (head_bytes: one KV head's cache). */
+static inline Ahead *ahead_of(Ahead *a, const int64_t *tasks, int64_t task, int64_t num_tasks,
+                              const int64_t *items, const int32_t *context_lens,
+                              const int32_t *block_tables, const int32_t *table_rows,
+                              int64_t max_blocks, const char *k_cache, const char *v_cache,
+                              int64_t head_bytes, int64_t row_bytes, int64_t bs) {
+#ifdef _OPENMP
+    const int64_t next = task + omp_get_num_threads();
+#else
+    const int64_t next = task + 1;
+#endif
+    if (next >= num_tasks || items[2 * tasks[4 * next] + 1] != 1) return NULL;
+    const int64_t seq = items[2 * tasks[4 * next]], ctx = context_lens[seq];
+    const int64_t split = tasks[4 * next + 3] >= 0;
+    const int64_t tb = split ? tasks[4 * next + 1] * ROW_SEG : 0;
+    const int64_t te = !split || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;
+    a->k = k_cache + tasks[4 * next + 2] * head_bytes;
+    a->v = v_cache + tasks[4 * next + 2] * head_bytes;
+    a->table = block_tables + (int64_t)table_rows[seq] * max_blocks;
+    a->left = te - tb, a->blk = a->first = tb / bs, a->off = tb % bs;
+    a->bs = bs, a->row_bytes = row_bytes;
+    return a;
+}
+
 /* Paged attention, one query row per entry: entry i is q/out row q_rows[i], reading the
  * block table row table_rows[i] of block_tables [num_tables, max_blocks] (int32) and its first
  * context_lens[i] keys (its own key included). A decode is one entry; a prefill of n new
@@ -1008,6 +1071,11 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         }                                                                                     \
         const int64_t tb = part < 0 ? 0 : sg * ROW_SEG;                                       \
         const int64_t te = part < 0 || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;              \
+        Ahead next_rows;                                                                      \
+        Ahead *ahead = ahead_of(&next_rows, tasks, task, num_tasks, items, context_lens,        \
+                                block_tables, table_rows, max_blocks, (const char *)k_cache,  \
+                                (const char *)v_cache, num_slots * RS * (int64_t)sizeof(TK), \
+                                RS * (int64_t)sizeof(TK), block_size);                        \
         const int64_t ctx16 = (te - tb + 15) & ~(int64_t)15;                                  \
         /* 64-byte aligned (D, ctx16 multiples of 16): the vectorised loops over this scratch \
          * then sum in the same order whichever thread's heap it comes from. */               \
@@ -1024,7 +1092,7 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         if (part >= 0) {                                 /* a segment of a split row */      \
             float *mine = parts + part * stride;                                              \
             ROWV(qf, k_head, v_head, table, tb, te, block_size, group, D, scores, mine,      \
-                 mine + group * D);                                                           \
+                 mine + group * D, ahead);                                                    \
             const int64_t nseg = row_segments(1, ctx, D);                                     \
             if (__atomic_add_fetch(&done[item * nkv + kvh], 1, __ATOMIC_ACQ_REL) == nseg) {   \
                 combine_segments(parts + (part - sg) * stride, nseg, stride, group, D, acc); \
@@ -1034,7 +1102,8 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
             continue;                                                                         \
         }                                                                                     \
         if (tile_supported(D)) {                         /* VL keys at a time */             \
-            ROWV(qf, k_head, v_head, table, 0, ctx, block_size, group, D, scores, acc, NULL); \
+            ROWV(qf, k_head, v_head, table, 0, ctx, block_size, group, D, scores, acc, NULL, \
+                 ahead);                                                                      \
         } else {                                         /* other head sizes: one by one */  \
             prefetch_runs(k_head, v_head, table, ctx, block_size,                             \
                           block_size * RS * (int64_t)sizeof(TK));                             \
