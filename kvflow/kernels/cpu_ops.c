@@ -709,8 +709,8 @@ static inline void row_start(const void *k_head, const void *v_head, const int32
  * V from memory (row_prefetch), but the P V pass reads V from L2 and then the softmax and sums
  * leave memory idle: a thread's time was its arithmetic plus its waiting, and blocks that lie
  * apart, each a new stream to the hardware prefetcher, waited longest. So each P V step
- * fetches one key row of K and V of the task this thread will likely take next (ahead_of), a
- * block that continues a run only where the run starts (the hardware prefetcher streams the
+ * fetches one key row of K and V of the task this thread will likely take next (ahead_of);
+ * of a run of consecutive blocks only its first block (the hardware prefetcher streams the
  * rest). 32 rows of ~400 keys over 30 layers' caches (benchmarks/cpu_kernels.py --batch 32
  * --context 400 --layers 30 --huge-pages, AMD EPYC Zen 5, 2 threads), while the VM's memory
  * was slow (scattered blocks took 12+ ms): blocks scattered 12.2 -> 10.4 ms, in runs 9.1 ->
@@ -968,8 +968,8 @@ static void combine_segments(const float *parts, int64_t nseg, int64_t stride, i
 }
 
 /* The task this thread will likely take next, where it is a decode row's (else NULL): with
- * dynamic scheduling the threads take the tasks in turn, so the one as many tasks on as there
- * are threads. Its rows as ahead_step walks them (head_bytes: one KV head's cache). */
+ * dynamic scheduling the threads take the tasks in turn, so likely the one as many tasks on
+ * as there are threads. Its rows as ahead_step walks them (head_bytes: one KV head's cache). */
 static inline Ahead *ahead_of(Ahead *a, const int64_t *tasks, int64_t task, int64_t num_tasks,
                               const int64_t *items, const int32_t *context_lens,
                               const int32_t *block_tables, const int32_t *table_rows,
@@ -1072,7 +1072,7 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
         const int64_t tb = part < 0 ? 0 : sg * ROW_SEG;                                       \
         const int64_t te = part < 0 || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;              \
         Ahead next_rows;                                                                      \
-        Ahead *ahead = ahead_of(&next_rows, tasks, task, num_tasks, items, context_lens,        \
+        Ahead *ahead = ahead_of(&next_rows, tasks, task, num_tasks, items, context_lens,      \
                                 block_tables, table_rows, max_blocks, (const char *)k_cache,  \
                                 (const char *)v_cache, num_slots * RS * (int64_t)sizeof(TK), \
                                 RS * (int64_t)sizeof(TK), block_size);                        \
