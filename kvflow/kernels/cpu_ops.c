@@ -706,16 +706,17 @@ static inline void row_start(const void *k_head, const void *v_head, const int32
 #define SCORE_KEYS (VL == 16 ? 8 : 4)
 
 /* The next task's rows, fetched into L2 while this task sums P V. The score pass reads K and
- * V from memory (row_prefetch), but the P V pass reads V from L2 and then the softmax and sums
- * leave memory idle: a thread's time was its arithmetic plus its waiting, and blocks that lie
- * apart, each a new stream to the hardware prefetcher, waited longest. So each P V step
+ * V from memory (row_prefetch); the softmax and the P V pass (V already in L2) then leave
+ * memory idle, and the next task starts with a wait, longest where its blocks lie apart
+ * (each a new stream to the hardware prefetcher). So each P V step
  * fetches one key row of K and V of the task this thread will likely take next (ahead_of);
  * of a run of consecutive blocks only its first block (the hardware prefetcher streams the
  * rest). 32 rows of ~400 keys over 30 layers' caches (benchmarks/cpu_kernels.py --batch 32
  * --context 400 --layers 30 --huge-pages, AMD EPYC Zen 5, 2 threads), while the VM's memory
  * was slow (scattered blocks took 12+ ms): blocks scattered 12.2 -> 10.4 ms, in runs 9.1 ->
  * 8.5; the AVX2 build 12.2 -> 11.9 and 9.5 -> 9.1 (alternating, 4 pairs each). Later, with
- * memory faster (scattered 10 ms before): the same, within the noise (6 pairs). */
+ * memory faster (scattered 10 ms before): the same, within the noise (6 pairs); fetching
+ * the runs' other blocks too was no better (3 pairs). */
 typedef struct {
     const char *k, *v;             /* the next task's KV head */
     const int32_t *table;
