@@ -603,7 +603,8 @@ def _pairs_here(kernels: str) -> bool:
 @pytest.mark.parametrize("n,k", [(960, 576), (64, 30), (32, 2)])
 def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) -> None:
     """bfloat16 weights in pair panels (pack_pairs) under bfloat16 x: where the build has
-    AVX512-BF16, row counts that split into uneven blocks (7, 13, 33, 70), strided x, the bias,
+    AVX512-BF16, row counts that split into uneven blocks (7, 13, 33, 70), strided x (rows
+    apart are copied, contiguous ones read in place: the same bits), the bias,
     bfloat16 and float32 output, against float64 torch; a row's result does not depend on
     the batch. Elsewhere, and for shapes or operands it cannot take, nothing is packed and
     the layout is refused."""
@@ -625,6 +626,10 @@ def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) ->
     torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
     assert torch.equal(cpu_ops.gemv(x[-1:], packed, None, bias, out_dtype=torch.float32,
                                     layout="pairs"), got[-1:])
+    apart = torch.zeros(m, k + 6).bfloat16()        # rows k + 6 apart: copied, not read in place
+    apart[:, :k] = x
+    assert torch.equal(cpu_ops.gemv(apart[:, :k], packed, None, bias, out_dtype=torch.float32,
+                                    layout="pairs"), got)
     half = cpu_ops.gemv(x, packed, None, bias, layout="pairs")
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
