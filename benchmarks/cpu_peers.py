@@ -9,7 +9,8 @@ of its floor.
   and LM-head params x tokens, plus attention) over the matmul GFLOP/s this CPU reaches in
   the engine's arithmetic (measured here, 256 x 576 x 1536): "of compute"; and a roofline,
   which also counts what each decode step must read (the weights once, every running
-  request's K/V) over the read bandwidth: "of roofline".
+  request's K/V) over the read bandwidth (measured again just before each engine's run: a
+  VM's drifts with its neighbours): "of roofline".
 - Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
   (tokens - 1). Every server is up at once and each request goes to all of them in turn
@@ -18,7 +19,7 @@ of its floor.
   the weights a token reads (the engine's weight type; kvflow-auto's one-row steps read the
   12-bit copies it holds of its panels or pair panels, and its greedy tokens there an int8
   copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
-  cache here).
+  cache here; the mean of a reading before and one after this part).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
@@ -544,7 +545,8 @@ def main() -> None:
         FLOOR_KIND[name] = auto_kind
     params, _ = model_params(hf)
     flops = workload_flops(hf, prompts, outputs)
-    print(f"read bandwidth {bandwidth:.1f} GB/s; matmul GFLOP/s (256 x 576 x 1536): "
+    print(f"read bandwidth {bandwidth:.1f} GB/s (at the start; measured again before each "
+          f"offline run and around the concurrency-1 part); matmul GFLOP/s (256 x 576 x 1536): "
           + ", ".join(f"{k} {v:.0f}" for k, v in floors.items()))
     print(f"offline: {len(prompts)} requests, {sum(map(len, prompts))} prompt and "
           f"{sum(outputs)} output tokens, all in flight; one at a time: "
@@ -557,6 +559,9 @@ def main() -> None:
         row = rows[name]
         if "offline" not in args.skip:
             try:
+                # the read bandwidth drifts with a VM's neighbours (47-80 GB/s within one
+                # run on an AMD EPYC Zen 5): each roofline takes the figure just before it
+                row["read_gbs"] = read_bandwidth()
                 elapsed = offline(name, args, prompts, outputs)
                 row["tok_s"] = sum(outputs) / elapsed
                 row["compute_share"] = flops / (floors[FLOOR_KIND[name]] * 1e9) / elapsed
@@ -572,16 +577,21 @@ def main() -> None:
                                 else (head_dim + 4) / head_dim)
                 row["roofline_share"] = roofline_seconds(
                     hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
-                    kv_bytes, bandwidth) / elapsed
+                    kv_bytes, row["read_gbs"]) / elapsed
             except Exception as e:      # a peer that fails must not lose the other rows
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]
             print(name, json.dumps(row), file=sys.stderr, flush=True)
     if "single" not in args.skip:
+        before = read_bandwidth()
         try:
             singles_rows = tpot_one_at_a_time(engines, args, *singles)
         except Exception as e:          # keep the offline rows
             singles_rows = {name: {"single_error": f"{type(e).__name__}: {e}"[:300]}
                             for name in engines}
+        after = read_bandwidth()
+        single_bw = (before + after) / 2             # the read floors' bandwidth
+        print(f"concurrency 1: read bandwidth {before:.1f} GB/s before, {after:.1f} after; "
+              f"the read floors take their mean", file=sys.stderr, flush=True)
         for name, single in singles_rows.items():
             rows[name].update(single)
         for name in engines:
@@ -599,7 +609,7 @@ def main() -> None:
             # copy instead (workers/greedy_head.py); these requests are all greedy.
             nbytes = (params * WEIGHT_BYTES[kind] if kind not in ("panels12", "pairs12") else
                       (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
-            floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+            floor_ms = nbytes / (single_bw * 1e9) * 1e3
             row["read_share"] = floor_ms / row["tpot_ms"]
             row["floor_ms"] = floor_ms
             print(name, json.dumps(row), file=sys.stderr, flush=True)
