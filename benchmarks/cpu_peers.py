@@ -19,7 +19,7 @@ of its floor.
   the weights a token reads (the engine's weight type; kvflow-auto's one-row steps read the
   12-bit copies it holds of its panels or pair panels, and its greedy tokens there an int8
   copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
-  cache here; the mean of a reading before and one after this part).
+  cache here; the mean of a reading before and one after the server runs).
   Where the time goes: kvflow's engines also run the same requests in-process ("alone":
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
@@ -545,8 +545,8 @@ def main() -> None:
         FLOOR_KIND[name] = auto_kind
     params, _ = model_params(hf)
     flops = workload_flops(hf, prompts, outputs)
-    print(f"read bandwidth {bandwidth:.1f} GB/s (at the start; measured again before each "
-          f"offline run and around the concurrency-1 part); matmul GFLOP/s (256 x 576 x 1536): "
+    print(f"read bandwidth {bandwidth:.1f} GB/s (at the start; each floor takes a reading "
+          f"nearer its run); matmul GFLOP/s (256 x 576 x 1536): "
           + ", ".join(f"{k} {v:.0f}" for k, v in floors.items()))
     print(f"offline: {len(prompts)} requests, {sum(map(len, prompts))} prompt and "
           f"{sum(outputs)} output tokens, all in flight; one at a time: "

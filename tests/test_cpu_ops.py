@@ -447,7 +447,8 @@ GEMV_SHAPES = [(1, 576, 576), (7, 13, 33), (4, 960, 576), (16, 577, 1536), (3, 5
 def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object, m: int,
                             n: int, k: int) -> None:
     """x W^T + bias against float64 torch on the same operands: one row and seven, rows of
-    W not a multiple of the tile, K not a multiple of the vector width, a strided x; bfloat16
+    W not a multiple of the tile, K not a multiple of the vector width, a strided x (rows
+    apart or contiguous: the same bits); bfloat16
     weights under float32 x (dtype="auto" without bfloat16 arithmetic); int8 weights with
     their row scales and SmoothQuant's input scale."""
     x = torch.randn(m, 2 * k)[:, ::2].to(x_dtype)             # strided rows of x
@@ -478,6 +479,9 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
         torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
     one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
     assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
+    apart = torch.zeros(m, k + 6, dtype=x_dtype)    # rows k + 6 apart: copied where the
+    apart[:, :k] = x                                # contiguous rows are read in place
+    assert torch.equal(cpu_ops.gemv(apart[:, :k], w, scales, bias, in_scale=in_scale), got)
 
 
 def int8_x_levels(k: int) -> int:
@@ -741,6 +745,12 @@ def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) ->
             want = cpu_ops.gemv(x, pairs, None, b, out_dtype=out, layout="pairs")
             got = cpu_ops.gemv(x, packed, None, b, out_dtype=out, layout="pairs12")
             assert torch.equal(got, want), (b is None, out)
+        apart = torch.zeros(1, k + 6).bfloat16()      # one row, its stride k + 6: copied,
+        apart[:, :k] = x                              # not read in place; the same bits
+        assert torch.equal(cpu_ops.gemv(apart[:, :k], packed, None, bias,
+                                        out_dtype=torch.float32, layout="pairs12"),
+                           cpu_ops.gemv(x, pairs, None, bias, out_dtype=torch.float32,
+                                        layout="pairs"))
         with pytest.raises(RuntimeError, match="pairs12"):                   # one row only
             cpu_ops.gemv(torch.randn(2, k).bfloat16(), packed, layout="pairs12")
         with pytest.raises(RuntimeError, match="pairs12"):                   # x must be bf16
