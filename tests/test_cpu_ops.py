@@ -448,9 +448,9 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
                             n: int, k: int) -> None:
     """x W^T + bias against float64 torch on the same operands: one row and seven, rows of
     W not a multiple of the tile, K not a multiple of the vector width, a strided x (rows
-    apart or contiguous: the same bits); bfloat16
-    weights under float32 x (dtype="auto" without bfloat16 arithmetic); int8 weights with
-    their row scales and SmoothQuant's input scale."""
+    apart or contiguous: the same bits); bfloat16 weights under float32 x (dtype="auto"
+    without bfloat16 arithmetic); int8 weights with their row scales and SmoothQuant's input
+    scale."""
     x = torch.randn(m, 2 * k)[:, ::2].to(x_dtype)             # strided rows of x
     bias = torch.randn(n)
     if w_dtype == torch.int8:
@@ -479,9 +479,15 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
         torch.testing.assert_close(got.double(), ref, atol=4e-3 * scale, rtol=8e-3)
     one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
     assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
-    apart = torch.zeros(m, k + 6, dtype=x_dtype)    # rows k + 6 apart: copied where the
-    apart[:, :k] = x                                # contiguous rows are read in place
-    assert torch.equal(cpu_ops.gemv(apart[:, :k], w, scales, bias, in_scale=in_scale), got)
+    assert torch.equal(cpu_ops.gemv(_apart(x), w, scales, bias, in_scale=in_scale), got)
+
+
+def _apart(x: torch.Tensor) -> torch.Tensor:
+    """x's values [m, k] in rows k + 6 elements apart: gemv copies such rows, where it reads
+    contiguous ones in place."""
+    wide = torch.zeros(x.shape[0], x.shape[1] + 6, dtype=x.dtype)
+    wide[:, : x.shape[1]] = x
+    return wide[:, : x.shape[1]]
 
 
 def int8_x_levels(k: int) -> int:
@@ -630,9 +636,7 @@ def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) ->
     torch.testing.assert_close(got.double(), ref, atol=1e-5 * scale, rtol=1e-5)
     assert torch.equal(cpu_ops.gemv(x[-1:], packed, None, bias, out_dtype=torch.float32,
                                     layout="pairs"), got[-1:])
-    apart = torch.zeros(m, k + 6).bfloat16()        # rows k + 6 apart: copied, not read in place
-    apart[:, :k] = x
-    assert torch.equal(cpu_ops.gemv(apart[:, :k], packed, None, bias, out_dtype=torch.float32,
+    assert torch.equal(cpu_ops.gemv(_apart(x), packed, None, bias, out_dtype=torch.float32,
                                     layout="pairs"), got)
     half = cpu_ops.gemv(x, packed, None, bias, layout="pairs")
     assert half.dtype == torch.bfloat16
@@ -745,9 +749,7 @@ def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) ->
             want = cpu_ops.gemv(x, pairs, None, b, out_dtype=out, layout="pairs")
             got = cpu_ops.gemv(x, packed, None, b, out_dtype=out, layout="pairs12")
             assert torch.equal(got, want), (b is None, out)
-        apart = torch.zeros(1, k + 6).bfloat16()      # one row, its stride k + 6: copied,
-        apart[:, :k] = x                              # not read in place; the same bits
-        assert torch.equal(cpu_ops.gemv(apart[:, :k], packed, None, bias,
+        assert torch.equal(cpu_ops.gemv(_apart(x), packed, None, bias,
                                         out_dtype=torch.float32, layout="pairs12"),
                            cpu_ops.gemv(x, pairs, None, bias, out_dtype=torch.float32,
                                         layout="pairs"))
