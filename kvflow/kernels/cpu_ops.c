@@ -1151,9 +1151,12 @@ DEFINE_KERNEL(paged_attention_kv_i8_bf16, row_task_i8, row_task_vec_i8, tile_tas
  * round where torch's bf16 ops round, so results match the torch path bit for bit except where
  * an exp or a sum is evaluated in another order. */
 
-/* Threads only pay off past a few tens of thousands of elements. */
+/* Threads pay off past a few thousand elements: in a fused 32-row step (576-wide rows, the
+ * threads awake) a threshold of 8192 instead of 32768 took each norm from 0.14 to 0.09 ms a
+ * step and rotary with the KV stores from 0.33 to 0.30 (AMD EPYC Zen 5, three alternating
+ * pairs, kernel timers in decode_layers). */
 #define PARALLEL_IF(amount) const int64_t work = (amount);                                   \
-    _Pragma("omp parallel for if(work > 32768) schedule(static)")
+    _Pragma("omp parallel for if(work > 8192) schedule(static)")
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
