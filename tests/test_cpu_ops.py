@@ -721,9 +721,10 @@ def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) ->
     row of bfloat16 x gives the pair panels' bits (which test_gemv_pair_layout_matches_torch
     checks against float64 torch): four panels a call and a range's last ones alone (160
     outputs: 5 panels), a group whole in some panels and not in others, with the bias,
-    float32 and bfloat16 output, K not a multiple of a group. Gaussian weights take under 80%
-    of the bfloat16 bytes. More rows, float32 x, odd K, outputs that are not a multiple of
-    the panel and float32 weights are refused; a build without AVX512-BF16 packs nothing."""
+    float32 and bfloat16 output, K not a multiple of a group; so do 2 to pairs12_rows() rows.
+    Gaussian weights take under 80% of the bfloat16 bytes. More rows, float32 x, odd K,
+    outputs that are not a multiple of the panel and float32 weights are refused; a build
+    without AVX512-BF16 packs nothing."""
     w = torch.randn(n, k).bfloat16()
     if not _pairs_here(kernels):
         assert cpu_ops.pack_pairs12(w) is None
@@ -753,8 +754,13 @@ def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) ->
                                         out_dtype=torch.float32, layout="pairs12"),
                            cpu_ops.gemv(x, pairs, None, bias, out_dtype=torch.float32,
                                         layout="pairs"))
-        with pytest.raises(RuntimeError, match="pairs12"):                   # one row only
-            cpu_ops.gemv(torch.randn(2, k).bfloat16(), packed, layout="pairs12")
+        rows = cpu_ops.pairs12_rows()
+        for m in range(2, rows + 1):           # two panels a call
+            xm = torch.randn(m, k).bfloat16()
+            assert torch.equal(cpu_ops.gemv(xm, packed, None, bias, layout="pairs12"),
+                               cpu_ops.gemv(xm, pairs, None, bias, layout="pairs")), m
+        with pytest.raises(RuntimeError, match="pairs12"):                   # a few rows
+            cpu_ops.gemv(torch.randn(rows + 1, k).bfloat16(), packed, layout="pairs12")
         with pytest.raises(RuntimeError, match="pairs12"):                   # x must be bf16
             cpu_ops.gemv(x.float(), packed, layout="pairs12")
 

@@ -30,6 +30,7 @@ enum { D_F32 = 0, D_BF16 = 1, D_I8 = 2 };
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo);
+int gemv_pairs12_rows(void);
 int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
              char *cache);
@@ -151,9 +152,11 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
         return i8_gemm(s->xq, l->k, s->num_tokens, l->k, l->gemm, l->gemm_comp, l->n,
                        l->gemm_scales, s->xscales, l->bias, out, l->n, s->dtype == D_BF16);
     }
-    if (l->one_row != NULL && s->num_tokens == 1)      /* 12-bit: pair panels' (8) or panels' */
-        return gemv(x, s->dtype, l->k, 1, l->one_row, l->type == 7 ? 8 : 6, l->scales,
-                    l->in_scale, l->bias, l->n, l->k, out, s->dtype, l->n);
+    /* 12-bit: pair panels' (8, a few rows) or panels' (6, one row) */
+    if (l->one_row != NULL
+        && (s->num_tokens == 1 || (l->type == 7 && s->num_tokens <= gemv_pairs12_rows())))
+        return gemv(x, s->dtype, l->k, s->num_tokens, l->one_row, l->type == 7 ? 8 : 6,
+                    l->scales, l->in_scale, l->bias, l->n, l->k, out, s->dtype, l->n);
     return gemv(x, s->dtype, l->k, s->num_tokens, l->w, l->type, l->scales, l->in_scale,
                 l->bias, l->n, l->k, out, s->dtype, l->n);
 }

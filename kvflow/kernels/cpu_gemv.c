@@ -1142,24 +1142,30 @@ static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K,
         (acc)[0] = VFMA(VEVEN_BF16(u1), b1, (acc)[0]);                                        \
         (acc)[1] = VFMA(VODD_BF16(u1), b1, (acc)[1]);                                         \
     } while (0)
-#define P12_X_F32(x, k) const vf b0 = VBROADCAST((x) + (k)), b1 = VBROADCAST((x) + (k) + 1)
-#define P12_FMA_F32(acc, u0, u1) P12_FMA_PAIR(acc, u0, u1, b0, b1)
+#define P12_XDECL_F32(R) vf b0[R], b1[R]
+#define P12_X_F32(x, k, i) (b0[i] = VBROADCAST((x) + (k)), b1[i] = VBROADCAST((x) + (k) + 1))
+#define P12_FMA_F32(acc, u0, u1, i) P12_FMA_PAIR(acc, u0, u1, b0[i], b1[i])
 /* The 12-bit pair panels (p12_pair_word): x's pair broadcast as one word, a vdpbf16ps each
  * vector, in pair_group's order, so the pair panels' results bit for bit. */
-#define P12_X_PAIRS(x, k)                                                                     \
-    int32_t xpair_;                                                                           \
-    memcpy(&xpair_, (x) + (k), sizeof xpair_);                                                \
-    const __m512bh b0 = (__m512bh)_mm512_set1_epi32(xpair_)
-#define P12_FMA_PAIRS(acc, u0, u1)                                                            \
+#define P12_XDECL_PAIRS(R) __m512bh b0[R]
+#define P12_X_PAIRS(x, k, i)                                                                  \
     do {                                                                                      \
-        (acc)[0] = _mm512_dpbf16_ps((acc)[0], (__m512bh)(u0), b0);                            \
-        (acc)[1] = _mm512_dpbf16_ps((acc)[1], (__m512bh)(u1), b0);                            \
+        int32_t xpair_;                                                                       \
+        memcpy(&xpair_, (x) + (k), sizeof xpair_);                                            \
+        b0[i] = (__m512bh)_mm512_set1_epi32(xpair_);                                          \
     } while (0)
-/* NAME_1_NP: one row of x (XT) times NP panels; XLOAD declares a pair's x operands, FMA
- * multiplies a decoded pair into a panel's two sums. */
-#define DEFINE_P12_GROUP(NAME, NP, XT, XLOAD, FMA)                                            \
-static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,               \
-                          int64_t end, const XT *x, float *out) {                             \
+#define P12_FMA_PAIRS(acc, u0, u1, i)                                                         \
+    do {                                                                                      \
+        (acc)[0] = _mm512_dpbf16_ps((acc)[0], (__m512bh)(u0), b0[i]);                         \
+        (acc)[1] = _mm512_dpbf16_ps((acc)[1], (__m512bh)(u1), b0[i]);                         \
+    } while (0)
+/* NAME_R_NP: R rows of x (XT, K apart) times NP panels into out[NP][M][PANEL] (rows 0..R-1
+ * of it, out at the block's first row); XDECL declares the x operands of a pair of inputs,
+ * XLOAD sets row i's, FMA multiplies a decoded pair into row i's two sums of a panel. Each
+ * pair is decoded once for the R rows. */
+#define DEFINE_P12_GROUP(NAME, R, NP, XT, XDECL, XLOAD, FMA)                                  \
+static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t q0,           \
+                              int64_t end, const XT *x, float *out, int64_t M) {              \
     int64_t E;                                                                                \
     memcpy(&E, packed, 8);                                                                    \
     const int64_t groups = (K + P12_G - 1) / P12_G, gb = p12_group_bytes(P12_G);              \
@@ -1168,10 +1174,10 @@ static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0, 
     const uint16_t *whole = (const uint16_t *)(p12_panel(packed, N, K, 0)                     \
                                                + N / PANEL * p12_panel_bytes(K));             \
     int64_t e[NP];                                                                            \
-    vf acc[NP][2];                                                                            \
+    vf acc[NP][R][2];                                                                         \
     for (int j = 0; j < NP; j++) {                                                            \
         e[j] = E ? p12_first_whole(packed, (q0 + j) * groups) : 0;                             \
-        acc[j][0] = acc[j][1] = VZERO();                                                      \
+        for (int i = 0; i < R; i++) acc[j][i][0] = acc[j][i][1] = VZERO();                   \
     }                                                                                         \
     for (int64_t g = 0; g < groups; g++) {                                                    \
         const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;                   \
@@ -1204,7 +1210,9 @@ static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0, 
             const uint8_t *lows[NP], *nibs[NP];                                               \
             for (int j = 0; j < NP; j++) lows[j] = grp[j] + 16, nibs[j] = lows[j] + gk * PANEL; \
             for (int64_t pair = 0; pair < gk / 2; pair++) {                                   \
-                XLOAD(x, k0 + 2 * pair);                                                      \
+                XDECL(R);                                                                     \
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)                           \
+                    XLOAD(x + i * K, k0 + 2 * pair, i);                                       \
                 for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++) \
                     _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                      \
                         _mm_prefetch(pf[j] + l * 64, P12_HINT);                               \
@@ -1213,13 +1221,15 @@ static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0, 
                     const vword high = P12_LOOKUP(table[j], P12_LOW4(P12_HALVES(              \
                         P12_NIBS(nibs[j] + pair * PANEL))));                                  \
                     const vword u0 = P12_UNPACK_LO(low, high), u1 = P12_UNPACK_HI(low, high); \
-                    FMA(acc[j], u0, u1);                                                      \
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)                       \
+                        FMA(acc[j][i], u0, u1, i);                                            \
                 }                                                                             \
             }                                                                                 \
             continue;                                                                         \
         }                                                                                     \
         for (int64_t pair = 0; pair < gk / 2; pair++) {      /* some group kept whole */      \
-            XLOAD(x, k0 + 2 * pair);                                                          \
+            XDECL(R);                                                                         \
+            for (int i = 0; i < R; i++) XLOAD(x + i * K, k0 + 2 * pair, i);                   \
             for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++)  \
                 for (int j = 0; j < NP; j++) _mm_prefetch(pf[j] + l * 64, P12_HINT);          \
             for (int j = 0; j < NP; j++) {                                                    \
@@ -1235,27 +1245,63 @@ static void NAME##_1_##NP(const void *packed, int64_t N, int64_t K, int64_t q0, 
                     u0 = VLOAD_WORDS(raw[j] + 2 * pair * PANEL);                              \
                     u1 = VLOAD_WORDS(raw[j] + (2 * pair + 1) * PANEL);                        \
                 }                                                                             \
-                FMA(acc[j], u0, u1);                                                          \
+                for (int i = 0; i < R; i++) FMA(acc[j][i], u0, u1, i);                        \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (int j = 0; j < NP; j++) {                                                            \
-        VSTORE_F32(out + j * PANEL, acc[j][0]);                                               \
-        VSTORE_F32(out + j * PANEL + VL, acc[j][1]);                                          \
-    }                                                                                         \
+    for (int j = 0; j < NP; j++)                                                              \
+        for (int i = 0; i < R; i++) {                                                         \
+            VSTORE_F32(out + (j * M + i) * PANEL, acc[j][i][0]);                              \
+            VSTORE_F32(out + (j * M + i) * PANEL + VL, acc[j][i][1]);                         \
+        }                                                                                     \
 }
 #if VL == 16                           /* P12_NP panels a call, and a share's last alone */
-DEFINE_P12_GROUP(p12_group, 4, float, P12_X_F32, P12_FMA_F32)
+DEFINE_P12_GROUP(p12_group, 1, 4, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #define P12_GROUP_NP p12_group_1_4
 #else
-DEFINE_P12_GROUP(p12_group, 2, float, P12_X_F32, P12_FMA_F32)
+DEFINE_P12_GROUP(p12_group, 1, 2, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #define P12_GROUP_NP p12_group_1_2
 #endif
-DEFINE_P12_GROUP(p12_group, 1, float, P12_X_F32, P12_FMA_F32)
+DEFINE_P12_GROUP(p12_group, 1, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #ifdef BF16_PAIRS
+/* The 12-bit pair panels take up to P12_PAIR_ROWS rows: at one row four panels a call, at
+ * two to four two (as the pair panels), each pair of inputs decoded once for all the rows.
+ * At a few rows a step is still a read of the weights, so 76% of the bytes pays there too:
+ * the default model's four decode linears from memory (AMD EPYC Zen 5, 2 threads, two runs)
+ * took 0.84-0.90x the pair panels' time at 2 rows, 0.75-0.79x at 3 and 4; at 5 to 8 (rows
+ * in two blocks, each decoding the panels again) 1.09-1.32x, so those read the pair panels. */
 #define P12_PAIRS 1
-DEFINE_P12_GROUP(p12_pairs, 4, uint16_t, P12_X_PAIRS, P12_FMA_PAIRS)
-DEFINE_P12_GROUP(p12_pairs, 1, uint16_t, P12_X_PAIRS, P12_FMA_PAIRS)
+#define P12_PAIR_ROWS 4
+#define DEFINE_P12_PAIRS(R, NP)                                                               \
+    DEFINE_P12_GROUP(p12_pairs, R, NP, uint16_t, P12_XDECL_PAIRS, P12_X_PAIRS, P12_FMA_PAIRS)
+DEFINE_P12_PAIRS(1, 4)
+DEFINE_P12_PAIRS(1, 2)
+DEFINE_P12_PAIRS(2, 2)
+DEFINE_P12_PAIRS(3, 2)
+DEFINE_P12_PAIRS(4, 2)
+DEFINE_P12_PAIRS(1, 1)
+DEFINE_P12_PAIRS(2, 1)
+DEFINE_P12_PAIRS(3, 1)
+DEFINE_P12_PAIRS(4, 1)
+
+/* R (1..P12_PAIR_ROWS) rows of x times NP (1 or 2) 12-bit pair panels from q0, as
+ * p12_pairs_R_NP. */
+static void p12_pairs_rows(const void *packed, int64_t N, int64_t K, int64_t q0, int64_t end,
+                           const uint16_t *x, float *out, int64_t M, int64_t R, int64_t NP) {
+    if (NP == 2)
+        switch (R) {
+            case 1: p12_pairs_1_2(packed, N, K, q0, end, x, out, M); return;
+            case 2: p12_pairs_2_2(packed, N, K, q0, end, x, out, M); return;
+            case 3: p12_pairs_3_2(packed, N, K, q0, end, x, out, M); return;
+            default: p12_pairs_4_2(packed, N, K, q0, end, x, out, M); return;
+        }
+    switch (R) {
+        case 1: p12_pairs_1_1(packed, N, K, q0, end, x, out, M); return;
+        case 2: p12_pairs_2_1(packed, N, K, q0, end, x, out, M); return;
+        case 3: p12_pairs_3_1(packed, N, K, q0, end, x, out, M); return;
+        default: p12_pairs_4_1(packed, N, K, q0, end, x, out, M); return;
+    }
+}
 #endif
 
 /* The index in the head's list of the first whole group numbered `number` or after. */
@@ -1582,6 +1628,15 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
  * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
  * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
  * these operands cannot. */
+/* Rows of x the 12-bit pair panels take (layout T_BF16_PAIRS12), 0 where this build has none. */
+int gemv_pairs12_rows(void) {
+#ifdef P12_PAIRS
+    return P12_PAIR_ROWS;
+#else
+    return 0;
+#endif
+}
+
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
@@ -1596,7 +1651,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (bf16_pairs) return 2;
 #endif
 #ifdef P12_PAIRS
-    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M != 1)) return 2;
+    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M > P12_PAIR_ROWS))
+        return 2;
 #else
     if (pairs12) return 2;
 #endif
@@ -1777,8 +1833,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #ifdef P12_PAIRS
                     if (pairs12) {
                         const uint16_t *xb = xpairs;
-                        if (np == P12_NP) p12_pairs_1_4(w, N, K, p0, end, xb, acc);
-                        else p12_pairs_1_1(w, N, K, p0, end, xb, acc);
+                        if (M == 1 && np == P12_NP) p12_pairs_1_4(w, N, K, p0, end, xb, acc, 1);
+                        else p12_pairs_rows(w, N, K, p0, end, xb, acc, M, M, np);
                     } else
 #endif
 #ifdef BF16_PAIRS
@@ -1798,8 +1854,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #endif
                     if (panels12 && M == 1) {
 #ifdef P12
-                        if (np == P12_NP) P12_GROUP_NP(w, N, K, p0, end, xf, acc);
-                        else p12_group_1_1(w, N, K, p0, end, xf, acc);
+                        if (np == P12_NP) P12_GROUP_NP(w, N, K, p0, end, xf, acc, 1);
+                        else p12_group_1_1(w, N, K, p0, end, xf, acc, 1);
 #endif
                     } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
                     else if (np == 2)                  /* rows in pairs, the odd one alone */

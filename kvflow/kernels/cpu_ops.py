@@ -178,6 +178,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pack_i8_panels.restype, lib.pack_i8_panels.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.pack_pairs.restype, lib.pack_pairs.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.gemv_pairs_available.restype, lib.gemv_pairs_available.argtypes = ctypes.c_int, []
+    lib.gemv_pairs12_rows.restype, lib.gemv_pairs12_rows.argtypes = ctypes.c_int, []
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.pairs12_bytes.restype, lib.pairs12_bytes.argtypes = i64, [ptr, i64, i64]
@@ -475,7 +476,8 @@ def pack_panels12(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack_pairs12(weight: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 weight [N, K] in cpu_gemv.c's 12-bit pair panels (`gemv(...,
-    layout="pairs12")`, one row of x, bfloat16): pack_panels12's groups and tables, each pair
+    layout="pairs12")`, up to `pairs12_rows()` rows of x, bfloat16): pack_panels12's groups
+    and tables, each pair
     of inputs decoded into the pair panels' words, so the same results as `pack_pairs`' bit
     for bit at 76% of the bytes. None where it cannot (as pack_pairs); a uint8 tensor as
     pack_panels12's."""
@@ -592,7 +594,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     `scales` [N] float32: W ~ int8 * scale per row), or packed by `pack_amx` (bfloat16,
     layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"),
     `pack_pairs` (layout="pairs", x bfloat16), `pack_panels12` (layout="panels12": uint8
-    [N, ...]) or `pack_pairs12` (layout="pairs12", as panels12, one row of x bfloat16);
+    [N, ...]) or `pack_pairs12` (layout="pairs12", as panels12, up to `pairs12_rows()`
+    rows of x bfloat16);
     in_scale [K] float32 or None; bias
     [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
@@ -643,6 +646,13 @@ def pairs_available() -> bool:
     """Whether this build has the bfloat16 pair panels (`pack_pairs`: AVX512-BF16)."""
     lib = library()
     return lib is not None and bool(lib.gemv_pairs_available())
+
+
+def pairs12_rows() -> int:
+    """Up to how many rows of x `gemv` multiplies the 12-bit pair panels (`pack_pairs12`),
+    0 where this build has none."""
+    lib = library()
+    return int(lib.gemv_pairs12_rows()) if lib is not None else 0
 
 
 def gemv_amx_rows() -> int:

@@ -88,7 +88,7 @@ class GemvWeight(NamedTuple):
                                     # "pairs": bfloat16 pair panels (cpu_ops.pack_pairs)
     one_row: torch.Tensor | None = None  # the same panels in 12 bits a weight, lossless
                                     # (cpu_ops.pack_panels12; "pairs": pack_pairs12), for
-                                    # one-row products
+                                    # one-row products ("pairs": up to pairs12_rows rows)
 
 
 class GemvLinear(LinearMethod):
@@ -121,9 +121,10 @@ class GemvLinear(LinearMethod):
     dot products, no horizontal sums) and takes products of up to `pair_rows` rows: on an
     AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
     row and 1.1-1.5x faster than oneDNN's bfloat16 GEMM at 8-64 rows (benchmarks/
-    cpu_kernels.py --gemv). With `pack_pairs12` too, one-row products read a second copy of
-    the pair panels in 12 bits a weight (cpu_ops.pack_pairs12: the same bits, 76% of the
-    bytes; layers/ops.py one_row_pairs12)."""
+    cpu_kernels.py --gemv). With `pack_pairs12` too, products of up to `pairs12_rows` rows
+    (cpu_ops.pairs12_rows: a few, where a step is still a read of the weights) read a
+    second copy of the pair panels in 12 bits a weight (cpu_ops.pack_pairs12: the same bits,
+    76% of the bytes; layers/ops.py one_row_pairs12)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
@@ -134,8 +135,8 @@ class GemvLinear(LinearMethod):
                  pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pair_rows: int = 0,
-                 pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-                 ) -> None:
+                 pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 pairs12_rows: int = 1) -> None:
         self.gemv = gemv
         self.inner = inner
         self.max_rows = max_rows
@@ -148,6 +149,7 @@ class GemvLinear(LinearMethod):
         self.pack_pairs = pack_pairs if pair_rows and stream_dtype is None else None
         self.pair_rows = pair_rows if self.pack_pairs is not None else 0
         self.pack_pairs12 = pack_pairs12 if self.pair_rows else None
+        self.pairs12_rows = pairs12_rows if self.pack_pairs12 is not None else 0
         streams = ("" if stream_dtype is None
                    else f", {str(stream_dtype).removeprefix('torch.')} weights")
         if self.panel_rows:
@@ -157,7 +159,8 @@ class GemvLinear(LinearMethod):
         if self.pair_rows:
             streams += f"; bfloat16 pair panels <= {self.pair_rows} rows"
             if self.pack_pairs12 is not None:
-                streams += " (one row: 12-bit pair panels)"
+                streams += (" (one row: 12-bit pair panels)" if self.pairs12_rows == 1 else
+                            f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
         self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
                      if self.amx_rows else f"gemv (<= {max_rows} rows{streams}) + {inner.name}")
 
@@ -192,7 +195,9 @@ class GemvLinear(LinearMethod):
             return F.linear(x, weight, bias)
         if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
             b = None if bias is None else bias.float()
-            if prepared.one_row is not None and x.numel() == x.shape[-1]:
+            rows = x.numel() // x.shape[-1]
+            if prepared.one_row is not None and (rows == 1 or prepared.layout == "pairs"
+                                                 and rows <= self.pairs12_rows):
                 return self.gemv(x, prepared.one_row, None, b,
                                  layout="pairs12" if prepared.layout == "pairs" else "panels12")
             return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)

@@ -185,7 +185,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_pairs,
                                 GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and pair_panels()
                                 else 0,
-                                cpu_ops.pack_pairs12 if use_pairs12() else None)
+                                cpu_ops.pack_pairs12 if use_pairs12() else None,
+                                cpu_ops.pairs12_rows())
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
