@@ -92,8 +92,8 @@ typedef struct {
     const float *bias;            /* float32, or NULL */
     int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3 to 7) */
     int64_t n, k;
-    const void *one_row;          /* w in 12 bits for one row (cpu_gemv.c: type 8 for pair
-                                   * panels, else 6), or NULL */
+    const void *one_row;          /* w in 12 bits (cpu_gemv.c: type 8 for pair panels, up to
+                                   * gemv_pairs12_rows() rows; else 6, one row), or NULL */
     /* int8 on kvflow's GEMM (no AMX-INT8): the smoothed weights packed for i8_gemm (or
      * NULL), their compensation and scales (padded to 16; bias too), used past gemv_rows
      * tokens. */

@@ -35,7 +35,7 @@
  * T_I8_PANELS: int8 in panels of PANEL outputs by input pairs (`pack_i8_panels`).
  * T_BF16_PANELS12: the bfloat16 panels in 12 bits a weight, lossless (`pack_panels12`).
  * T_BF16_PAIRS: bfloat16 in panels by input pairs (`pack_pairs`), bfloat16 dot products.
- * T_BF16_PAIRS12: the pair panels in 12 bits a weight, lossless (`pack_pairs12`), one row. */
+ * T_BF16_PAIRS12: the pair panels in 12 bits a weight, lossless (`pack_pairs12`), a few rows. */
 enum { T_F32 = 0, T_BF16 = 1, T_I8 = 2, T_BF16_AMX = 3, T_BF16_PANELS = 4, T_I8_PANELS = 5,
        T_BF16_PANELS12 = 6, T_BF16_PAIRS = 7, T_BF16_PAIRS12 = 8 };
 
@@ -1267,8 +1267,8 @@ DEFINE_P12_GROUP(p12_group, 1, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 /* The 12-bit pair panels take up to P12_PAIR_ROWS rows: at one row four panels a call, at
  * two to four two (as the pair panels), each pair of inputs decoded once for all the rows.
  * At a few rows a step is still a read of the weights, so 76% of the bytes pays there too:
- * the default model's four decode linears from memory (AMD EPYC Zen 5, 2 threads, two runs)
- * took 0.84-0.90x the pair panels' time at 2 rows, 0.75-0.79x at 3 and 4; at 5 to 8 (rows
+ * the default model's four decode linears from memory (AMD EPYC Zen 5, 2 threads, three runs)
+ * took 0.84-0.91x the pair panels' time at 2 rows, 0.75-0.79x at 3 and 4; at 5 to 8 (rows
  * in two blocks, each decoding the panels again) 1.09-1.32x, so those read the pair panels. */
 #define P12_PAIRS 1
 #define P12_PAIR_ROWS 4
@@ -1617,17 +1617,6 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
     return peak / (float)qmax;
 }
 
-/* out[m, n] = round(scale[n] * sum_k x[m, k] in_scale[k] W[n, k] + bias[n]) for m < M,
- * n < N. x: M rows of K (float32 or bfloat16, row stride ldx elements); W: [N, K] row-major
- * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
- * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
- * this path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
- * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0) or its
- * 12-bit copy T_BF16_PANELS12 (K even), or T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no
- * in_scale) or its 12-bit copy T_BF16_PAIRS12 (the same, and one row of x).
- * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
- * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
- * these operands cannot. */
 /* Rows of x the 12-bit pair panels take (layout T_BF16_PAIRS12), 0 where this build has none. */
 int gemv_pairs12_rows(void) {
 #ifdef P12_PAIRS
@@ -1637,6 +1626,17 @@ int gemv_pairs12_rows(void) {
 #endif
 }
 
+/* out[m, n] = round(scale[n] * sum_k x[m, k] in_scale[k] W[n, k] + bias[n]) for m < M,
+ * n < N. x: M rows of K (float32 or bfloat16, row stride ldx elements); W: [N, K] row-major
+ * of wtype (T_F32, T_BF16, T_I8); scales: [N] float32 (int8 only, else NULL); in_scale: [K]
+ * float32 or NULL (int8: SmoothQuant's input scale, which W8A8 folds into its weights and
+ * this path applies to x instead); bias: [N] float32 or NULL; out: [M, N] of
+ * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0) or its
+ * 12-bit copy T_BF16_PANELS12 (K even), or T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no
+ * in_scale) or its 12-bit copy T_BF16_PAIRS12 (the same, and 1 to gemv_pairs12_rows() rows).
+ * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
+ * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
+ * these operands cannot. */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
@@ -1651,7 +1651,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (bf16_pairs) return 2;
 #endif
 #ifdef P12_PAIRS
-    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M > P12_PAIR_ROWS))
+    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M < 1
+                    || M > P12_PAIR_ROWS))
         return 2;
 #else
     if (pairs12) return 2;
