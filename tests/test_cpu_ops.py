@@ -480,6 +480,7 @@ def test_gemv_matches_torch(kernels: str, x_dtype: torch.dtype, w_dtype: object,
     one = cpu_ops.gemv(x[:1], w, scales, bias, in_scale=in_scale)
     assert torch.equal(one, got[:1])          # a row's result does not depend on the batch
     assert torch.equal(cpu_ops.gemv(_apart(x), w, scales, bias, in_scale=in_scale), got)
+    assert cpu_ops.gemv(x[:0], w, scales, bias, in_scale=in_scale).shape == (0, n)  # no rows
 
 
 def _apart(x: torch.Tensor) -> torch.Tensor:
@@ -638,6 +639,7 @@ def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) ->
                                     layout="pairs"), got[-1:])
     assert torch.equal(cpu_ops.gemv(_apart(x), packed, None, bias, out_dtype=torch.float32,
                                     layout="pairs"), got)
+    assert cpu_ops.gemv(x[:0], packed, None, bias, layout="pairs").shape == (0, n)
     half = cpu_ops.gemv(x, packed, None, bias, layout="pairs")
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.double(), ref, atol=4e-3 * scale, rtol=8e-3)
@@ -759,6 +761,7 @@ def test_gemv_pairs12_give_the_pair_panels_bits(kernels: str, n: int, k: int) ->
             xm = torch.randn(m, k).bfloat16()
             assert torch.equal(cpu_ops.gemv(xm, packed, None, bias, layout="pairs12"),
                                cpu_ops.gemv(xm, pairs, None, bias, layout="pairs")), m
+        assert cpu_ops.gemv(x[:0], packed, None, bias, layout="pairs12").shape == (0, n)
         with pytest.raises(RuntimeError, match="pairs12"):                   # a few rows
             cpu_ops.gemv(torch.randn(rows + 1, k).bfloat16(), packed, layout="pairs12")
         with pytest.raises(RuntimeError, match="pairs12"):                   # x must be bf16

@@ -1634,12 +1634,14 @@ int gemv_pairs12_rows(void) {
  * otype (row stride ldo). W may also be T_BF16_PANELS (`pack_panels`: N % PANEL == 0) or its
  * 12-bit copy T_BF16_PANELS12 (K even), or T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no
  * in_scale) or its 12-bit copy T_BF16_PAIRS12 (the same, and 1 to gemv_pairs12_rows() rows).
- * Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and the tile unit cannot run it
+ * M = 0: nothing to do, 0. Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and
+ * the tile unit cannot run it
  * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
  * these operands cannot. */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
+    if (M == 0) return 0;                      /* no rows: nothing to write */
     const int esize = wtype == T_F32 ? 4 : wtype == T_I8 || wtype == T_I8_PANELS ? 1 : 2;
     const int panels12 = wtype == T_BF16_PANELS12;
     const int bf16_pairs = wtype == T_BF16_PAIRS, pairs12 = wtype == T_BF16_PAIRS12;
@@ -1651,8 +1653,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (bf16_pairs) return 2;
 #endif
 #ifdef P12_PAIRS
-    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M < 1
-                    || M > P12_PAIR_ROWS))
+    if (pairs12 && (xtype != T_BF16 || K % 2 || in_scale != NULL || M > P12_PAIR_ROWS))
         return 2;
 #else
     if (pairs12) return 2;

@@ -197,7 +197,7 @@ class GemvLinear(LinearMethod):
             b = None if bias is None else bias.float()
             rows = x.numel() // x.shape[-1]
             if prepared.one_row is not None and (rows == 1 or prepared.layout == "pairs"
-                                                 and 1 <= rows <= self.pairs12_rows):
+                                                 and rows <= self.pairs12_rows):
                 return self.gemv(x, prepared.one_row, None, b,
                                  layout="pairs12" if prepared.layout == "pairs" else "panels12")
             return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)
