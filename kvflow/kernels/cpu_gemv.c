@@ -1284,18 +1284,18 @@ DEFINE_P12_PAIRS(2, 1)
 DEFINE_P12_PAIRS(3, 1)
 DEFINE_P12_PAIRS(4, 1)
 
-/* R (1..P12_PAIR_ROWS) rows of x times NP (1 or 2) 12-bit pair panels from q0, as
- * p12_pairs_R_NP. */
+/* All M (1..P12_PAIR_ROWS) rows of x times NP (1 or 2) 12-bit pair panels from q0, as
+ * p12_pairs_M_NP. */
 static void p12_pairs_rows(const void *packed, int64_t N, int64_t K, int64_t q0, int64_t end,
-                           const uint16_t *x, float *out, int64_t M, int64_t R, int64_t NP) {
+                           const uint16_t *x, float *out, int64_t M, int64_t NP) {
     if (NP == 2)
-        switch (R) {
+        switch (M) {
             case 1: p12_pairs_1_2(packed, N, K, q0, end, x, out, M); return;
             case 2: p12_pairs_2_2(packed, N, K, q0, end, x, out, M); return;
             case 3: p12_pairs_3_2(packed, N, K, q0, end, x, out, M); return;
             default: p12_pairs_4_2(packed, N, K, q0, end, x, out, M); return;
         }
-    switch (R) {
+    switch (M) {
         case 1: p12_pairs_1_1(packed, N, K, q0, end, x, out, M); return;
         case 2: p12_pairs_2_1(packed, N, K, q0, end, x, out, M); return;
         case 3: p12_pairs_3_1(packed, N, K, q0, end, x, out, M); return;
@@ -1635,9 +1635,8 @@ int gemv_pairs12_rows(void) {
  * 12-bit copy T_BF16_PANELS12 (K even), or T_BF16_PAIRS (`pack_pairs`; x bfloat16, K even, no
  * in_scale) or its 12-bit copy T_BF16_PAIRS12 (the same, and 1 to gemv_pairs12_rows() rows).
  * M = 0: nothing to do, 0. Returns 0, 1 when out of memory, or 2 when W is T_BF16_AMX and
- * the tile unit cannot run it
- * (no AMX, x not bf16, K % 32 or N % 16 not 0), or another packed layout and this build or
- * these operands cannot. */
+ * the tile unit cannot run it (no AMX, x not bf16, K % 32 or N % 16 not 0), or another
+ * packed layout and this build or these operands cannot. */
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo) {
@@ -1836,7 +1835,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                     if (pairs12) {
                         const uint16_t *xb = xpairs;
                         if (M == 1 && np == P12_NP) p12_pairs_1_4(w, N, K, p0, end, xb, acc, 1);
-                        else p12_pairs_rows(w, N, K, p0, end, xb, acc, M, M, np);
+                        else p12_pairs_rows(w, N, K, p0, end, xb, acc, M, np);
                     } else
 #endif
 #ifdef BF16_PAIRS

@@ -943,6 +943,12 @@ static inline int64_t row_segments(int64_t rows, int64_t ctx, int64_t D) {
     return rows == 1 && tile_supported(D) ? (ctx + ROW_SEG - 1) / ROW_SEG : 1;
 }
 
+/* The keys [*tb, *te) a decode row's task reads: segment sg of a split row, else all ctx. */
+static inline void segment_keys(int64_t ctx, int64_t sg, int split, int64_t *tb, int64_t *te) {
+    *tb = split ? sg * ROW_SEG : 0;
+    *te = !split || ctx - *tb < ROW_SEG ? ctx : *tb + ROW_SEG;
+}
+
 /* out[g] = the segments' sums, each scaled by exp(its largest score - the largest), over the
  * same of their sums of exps; parts: nseg blocks of `stride` floats, acc [group, D] then ml. */
 static void combine_segments(const float *parts, int64_t nseg, int64_t stride, int64_t group,
@@ -983,9 +989,8 @@ static inline Ahead *ahead_of(Ahead *a, const int64_t *tasks, int64_t task, int6
 #endif
     if (next >= num_tasks || items[2 * tasks[4 * next] + 1] != 1) return NULL;
     const int64_t seq = items[2 * tasks[4 * next]], ctx = context_lens[seq];
-    const int64_t split = tasks[4 * next + 3] >= 0;
-    const int64_t tb = split ? tasks[4 * next + 1] * ROW_SEG : 0;
-    const int64_t te = !split || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;
+    int64_t tb, te;
+    segment_keys(ctx, tasks[4 * next + 1], tasks[4 * next + 3] >= 0, &tb, &te);
     a->k = k_cache + tasks[4 * next + 2] * head_bytes;
     a->v = v_cache + tasks[4 * next + 2] * head_bytes;
     a->table = block_tables + (int64_t)table_rows[seq] * max_blocks;
@@ -1070,8 +1075,8 @@ int NAME(const T *q, const TK *k_cache, const TK *v_cache, const int32_t *block_
             free(scratch);                                                                    \
             continue;                                                                         \
         }                                                                                     \
-        const int64_t tb = part < 0 ? 0 : sg * ROW_SEG;                                       \
-        const int64_t te = part < 0 || ctx - tb < ROW_SEG ? ctx : tb + ROW_SEG;              \
+        int64_t tb, te;                                                                       \
+        segment_keys(ctx, sg, part >= 0, &tb, &te);                                           \
         Ahead next_rows;                                                                      \
         Ahead *ahead = ahead_of(&next_rows, tasks, task, num_tasks, items, context_lens,      \
                                 block_tables, table_rows, max_blocks, (const char *)k_cache,  \

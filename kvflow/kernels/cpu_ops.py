@@ -477,9 +477,8 @@ def pack_panels12(weight: torch.Tensor) -> torch.Tensor | None:
 def pack_pairs12(weight: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 weight [N, K] in cpu_gemv.c's 12-bit pair panels (`gemv(...,
     layout="pairs12")`, up to `pairs12_rows()` rows of x, bfloat16): pack_panels12's groups
-    and tables, each pair
-    of inputs decoded into the pair panels' words, so the same results as `pack_pairs`' bit
-    for bit at 76% of the bytes. None where it cannot (as pack_pairs); a uint8 tensor as
+    and tables, each pair of inputs decoded into the pair panels' words, so the same results
+    as `pack_pairs`' bit for bit at 76% of the bytes. None where it cannot (as pack_pairs); a uint8 tensor as
     pack_panels12's."""
     if not pairs_available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
@@ -595,9 +594,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"),
     `pack_pairs` (layout="pairs", x bfloat16), `pack_panels12` (layout="panels12": uint8
     [N, ...]) or `pack_pairs12` (layout="pairs12", as panels12, up to `pairs12_rows()`
-    rows of x bfloat16);
-    in_scale [K] float32 or None; bias
-    [N] float32 or None. Out: [..., N] in out_dtype (x's)."""
+    rows of x bfloat16); in_scale [K] float32 or None; bias [N] float32 or None. Out:
+    [..., N] in out_dtype (x's)."""
     k = x.shape[-1]
     rows, stride = _rows(x, k)
     n = weight.shape[0]
