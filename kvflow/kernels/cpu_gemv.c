@@ -1205,21 +1205,28 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
         const int64_t lg = (p12_group_bytes(gk) + 63) / 64;                                   \
         const int64_t pl = any_self && lg < lt ? lg : lt;                                     \
         if (!any_raw) {              /* the usual case: every panel's group encoded */        \
+            /* The NP panels lie pb apart, so one pointer serves them all: with a pointer   \
+             * a panel for its lows, nibbles and fetch, four panels' pointers did not fit   \
+             * the registers, and GCC reloaded them from the stack every pair (the fetch in  \
+             * an inner loop, too). Past the end of the thread's panels every panel fetches \
+             * its own group again (cached). Each pair of inputs fetches its 3 PANEL bytes' \
+             * share of the group ahead, a line every 48 bytes. */                          \
+            const int64_t pb = p12_panel_bytes(K);                                            \
+            const char *pfb = any_self ? (const char *)grp[0] : pf[0];                        \
             vword table[NP];                                                                  \
-            for (int j = 0; j < NP; j++) table[j] = P12_TABLE(grp[j]);                        \
-            const uint8_t *lows[NP], *nibs[NP];                                               \
-            for (int j = 0; j < NP; j++) lows[j] = grp[j] + 16, nibs[j] = lows[j] + gk * PANEL; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                              \
+                table[j] = P12_TABLE(grp[0] + j * pb);                                        \
+            const uint8_t *lows = grp[0] + 16, *nibs = lows + gk * PANEL;                     \
             for (int64_t pair = 0; pair < gk / 2; pair++) {                                   \
                 XDECL(R);                                                                     \
                 _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)                           \
                     XLOAD(x + i * K, k0 + 2 * pair, i);                                       \
-                for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++) \
-                    _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                      \
-                        _mm_prefetch(pf[j] + l * 64, P12_HINT);                               \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                        \
-                    const vword low = VLOAD_WORDS(lows[j] + pair * 2 * PANEL);                \
+                    _Pragma("GCC unroll 2") for (int o = 0; o < 3 * PANEL; o += 48)           \
+                        _mm_prefetch(pfb + j * pb + pair * 3 * PANEL + o, P12_HINT);          \
+                    const vword low = VLOAD_WORDS(lows + j * pb + pair * 2 * PANEL);          \
                     const vword high = P12_LOOKUP(table[j], P12_LOW4(P12_HALVES(              \
-                        P12_NIBS(nibs[j] + pair * PANEL))));                                  \
+                        P12_NIBS(nibs + j * pb + pair * PANEL))));                            \
                     const vword u0 = P12_UNPACK_LO(low, high), u1 = P12_UNPACK_HI(low, high); \
                     _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)                       \
                         FMA(acc[j][i], u0, u1, i);                                            \
