@@ -339,11 +339,12 @@ def role(proc: psutil.Process) -> str:
     return name
 
 
-def cpu_use(procs: list[psutil.Process]) -> dict[str, tuple[float, int]]:
+def cpu_use(procs: list[psutil.Process], client: bool = True
+            ) -> dict[str, tuple[float, int]]:
     """Each role's CPU seconds (user + system) and context switches so far; "client" is this
-    process (the benchmark's HTTP client)."""
+    process (the benchmark's HTTP client), counted unless `client` is False."""
     use: dict[str, tuple[float, int]] = {}
-    for proc in [psutil.Process(), *procs]:
+    for proc in [psutil.Process(), *procs] if client else procs:
         try:
             t = proc.cpu_times()
             count = thread_switches(proc)
@@ -411,8 +412,11 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                         # A pause first: the previous server's threads may still spin
                         # (Intel OpenMP's KMP_BLOCKTIME, 200 ms) on the cores this one needs.
                         await asyncio.sleep(0.3)
+                        others = [q for e in names if e != engine for q in procs[e]]
                         before = cpu_use(procs[engine])
+                        idle_before = sum(v[0] for v in cpu_use(others, False).values())
                         result = await serve_bench.send(client, urls[engine], "default", req)
+                        idle_after = sum(v[0] for v in cpu_use(others, False).values())
                         after = cpu_use(procs[engine])
                         results, use = got[engine]
                         results.append(result)
@@ -420,6 +424,9 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                             total = use.setdefault(k, [0.0, 0.0])
                             total[0] += after[k][0] - before[k][0]
                             total[1] += after[k][1] - before[k][1]
+                        # what the idle servers took meanwhile (each should wait in poll)
+                        idle = use.setdefault("idle servers", [0.0, 0.0])
+                        idle[0] += idle_after - idle_before
             return got
 
         got = asyncio.run(go()) if urls else {}
@@ -628,11 +635,12 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
               f"{fmt(r.get('roofline_share'), '12.0%')}{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
               f"{fmt(r.get('read_share'), '9.0%')}{fmt(r.get('alone_ms'), '10.1f')}")
     print("\nc=1, per output token: CPU ms (context switches) of each server process and the "
-          "client")
+          "client, and the CPU ms the other (idle) servers took meanwhile")
     for name, r in rows.items():
         if "cpu_ms_per_token" in r:
             print(f"{name:24s}" + ", ".join(
-                f"{k} {v:.2f} ({r['switches_per_token'][k]:.1f})"
+                f"{k} {v:.2f}" + (f" ({r['switches_per_token'][k]:.1f})"
+                                  if k != "idle servers" else "")
                 for k, v in sorted(r["cpu_ms_per_token"].items(), key=lambda kv: -kv[1])))
     for name, r in rows.items():
         for part in ("offline_error", "single_error"):

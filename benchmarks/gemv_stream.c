@@ -1,0 +1,209 @@
+/* A decode step's linears as the fused step runs them, against a plain read of the same bytes
+ * (benchmarks/gemv_stream.py builds and runs this; see there).
+ *
+ *   gemv_stream LAYOUT ROWS LAYERS REPS SHAPES LIB [LIB ...]
+ *
+ * LAYOUT: cpu_gemv.c's weight code (4 panels, 5 int8 panels, 6 12-bit panels, 7 pair panels,
+ * 8 12-bit pair panels); SHAPES: "NxK,NxK,..." (a layer's linears in order); each LIB: a
+ * build of kvflow's kernel library. Each library packs its own LAYERS copies of every shape
+ * (seeded normal weights x 0.05, rounded to bfloat16; int8: rounded to 127 levels) into 2 MB
+ * pages, and a step calls its `gemv` once per shape and layer, every call on another copy,
+ * so every byte comes from memory. The plain read: the same buffers, each split in halves
+ * over the threads, one 64-bit load a cache line. The libraries and the read take turns,
+ * REPS rounds (the first not counted), so a drift in the machine's speed falls on each.
+ * Prints per library: the best and median step, GB/s of the bytes it holds, its share of the
+ * plain read's speed. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+typedef int (*gemv_fn)(const void *, int, int64_t, int64_t, const void *, int, const void *,
+                       const void *, const void *, int64_t, int64_t, void *, int, int64_t);
+enum { MAX_LIBS = 8, MAX_SHAPES = 8, MAX_REPS = 1000 };
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static uint64_t seed = 88172645463325252ull;
+static double uniform(void) {                                  /* xorshift64, (0, 1) */
+    seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+    return ((seed >> 11) + 0.5) / 9007199254740992.0;
+}
+static float normal(void) {
+    return (float)(sqrt(-2 * log(uniform())) * cos(6.283185307179586 * uniform()));
+}
+
+static void *in_huge_pages(size_t n) {
+    const size_t page = (size_t)2 << 20;
+    n = (n + page - 1) / page * page;
+    void *p = aligned_alloc(page, n);
+    if (p == NULL) return NULL;
+    madvise(p, n, MADV_HUGEPAGE);
+    memset(p, 0, n);
+    return p;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Weights [N, K] packed by `lib` in `layout` into a new buffer (its size in *bytes), or NULL
+ * where that build cannot. */
+static void *pack(void *lib, int layout, const uint16_t *wb, const int8_t *wi, int64_t N,
+                  int64_t K, int64_t *bytes) {
+    void *out;
+    switch (layout) {
+    case 4: {
+        int (*width)(void) = (int (*)(void))dlsym(lib, "gemv_panel_width");
+        if (width == NULL || width() == 0 || N % width()) return NULL;
+        *bytes = N * K * 2;
+        out = in_huge_pages((size_t)*bytes);
+        ((void (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(lib, "pack_panels"))(
+            wb, N, K, out);
+        return out;
+    }
+    case 5:
+        *bytes = N * K;
+        out = in_huge_pages((size_t)*bytes);
+        return ((int (*)(const int8_t *, int64_t, int64_t, void *))dlsym(
+                    lib, "pack_i8_panels"))(wi, N, K, out) ? NULL : out;
+    case 7:
+        *bytes = N * K * 2;
+        out = in_huge_pages((size_t)*bytes);
+        return ((int (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(lib, "pack_pairs"))(
+                   wb, N, K, out) ? NULL : out;
+    case 6:
+    case 8: {
+        const char *size = layout == 6 ? "panels12_bytes" : "pairs12_bytes";
+        *bytes = ((int64_t (*)(const uint16_t *, int64_t, int64_t))dlsym(lib, size))(wb, N, K);
+        if (*bytes == 0) return NULL;
+        out = in_huge_pages((size_t)*bytes);
+        ((void (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(
+            lib, layout == 6 ? "pack_panels12" : "pack_pairs12"))(wb, N, K, out);
+        return out;
+    }
+    default:
+        return NULL;
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 7) {
+        fprintf(stderr, "usage: %s LAYOUT ROWS LAYERS REPS NxK,... LIB [LIB ...]\n", argv[0]);
+        return 2;
+    }
+    const int layout = atoi(argv[1]);
+    const int64_t M = atoll(argv[2]), layers = atoll(argv[3]);
+    const int reps = atoi(argv[4]), nlibs = argc - 6;
+    int64_t shape[MAX_SHAPES][2], nshapes = 0, maxk = 0, maxn = 0;
+    for (char *s = argv[5]; *s && nshapes < MAX_SHAPES; nshapes++) {
+        shape[nshapes][0] = strtoll(s, &s, 10);
+        shape[nshapes][1] = strtoll(s + 1, &s, 10);
+        if (*s == ',') s++;
+        maxn = shape[nshapes][0] > maxn ? shape[nshapes][0] : maxn;
+        maxk = shape[nshapes][1] > maxk ? shape[nshapes][1] : maxk;
+    }
+    if (nlibs > MAX_LIBS || reps < 2 || reps > MAX_REPS || layers < 1 || M < 1) return 2;
+    void *lib[MAX_LIBS];
+    gemv_fn gemv[MAX_LIBS];
+    for (int i = 0; i < nlibs; i++) {
+        lib[i] = dlopen(argv[6 + i], RTLD_NOW | RTLD_LOCAL);
+        if (lib[i] == NULL) {
+            fprintf(stderr, "%s\n", dlerror());
+            return 1;
+        }
+        gemv[i] = (gemv_fn)dlsym(lib[i], "gemv");
+    }
+    /* the weights, then each library's copies */
+    void **w = calloc((size_t)(nlibs * layers * nshapes), sizeof(void *));
+    int64_t *bytes = calloc((size_t)(nlibs * layers * nshapes), sizeof(int64_t));
+    float *scales = malloc((size_t)maxn * sizeof(float));
+    for (int64_t n = 0; n < maxn; n++) scales[n] = 0.2f / 127;
+    int64_t total[MAX_LIBS] = {0};
+    int usable[MAX_LIBS];
+    for (int i = 0; i < nlibs; i++) usable[i] = 1;
+    for (int64_t m = 0; m < nshapes; m++) {
+        const int64_t N = shape[m][0], K = shape[m][1];
+        uint16_t *wb = malloc((size_t)(N * K) * 2);
+        int8_t *wi = malloc((size_t)(N * K));
+        for (int64_t e = 0; e < N * K; e++) {
+            const float v = normal() * 0.05f;
+            const long q = lrintf(v / 0.2f * 127);
+            wb[e] = to_bf16(v);
+            wi[e] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        }
+        for (int i = 0; i < nlibs; i++)
+            for (int64_t l = 0; l < layers && usable[i]; l++) {
+                const int64_t at = (i * layers + l) * nshapes + m;
+                w[at] = pack(lib[i], layout, wb, wi, N, K, &bytes[at]);
+                usable[i] = w[at] != NULL;
+                total[i] += bytes[at];
+            }
+        free(wb), free(wi);
+    }
+    uint16_t *x = malloc((size_t)(M * maxk) * 2);
+    for (int64_t e = 0; e < M * maxk; e++) x[e] = to_bf16(normal());
+    float *out = malloc((size_t)(M * maxn) * sizeof(float));
+    static double step[MAX_LIBS][MAX_REPS], plain[MAX_LIBS][MAX_REPS];
+    volatile int64_t sink = 0;
+    for (int r = 0; r < reps; r++)
+        for (int i = 0; i < nlibs; i++) {
+            if (!usable[i]) continue;
+            double start = now();
+            for (int64_t l = 0; l < layers; l++)
+                for (int64_t m = 0; m < nshapes; m++) {
+                    const int64_t at = (i * layers + l) * nshapes + m;
+                    if (gemv[i](x, 1, shape[m][1], M, w[at], layout, layout == 5 ? scales : NULL,
+                                NULL, NULL, shape[m][0], shape[m][1], out, 0, shape[m][0])) {
+                        fprintf(stderr, "gemv failed: %s\n", argv[6 + i]);
+                        return 1;
+                    }
+                }
+            step[i][r] = now() - start;
+            start = now();
+            int64_t acc = 0;
+            for (int64_t l = 0; l < layers; l++)
+                for (int64_t m = 0; m < nshapes; m++) {
+                    const int64_t at = (i * layers + l) * nshapes + m;
+                    const char *p = w[at];
+                    const int64_t lines = bytes[at] / 64;
+                    #pragma omp parallel for schedule(static) reduction(^ : acc)
+                    for (int64_t c = 0; c < lines; c++) acc ^= *(const volatile int64_t *)(p + c * 64);
+                }
+            sink ^= acc;
+            plain[i][r] = now() - start;
+        }
+    for (int i = 0; i < nlibs; i++) {
+        if (!usable[i]) {
+            printf("%s: this build cannot pack layout %d\n", argv[6 + i], layout);
+            continue;
+        }
+        qsort(step[i] + 1, (size_t)(reps - 1), sizeof(double), cmp_double);
+        qsort(plain[i] + 1, (size_t)(reps - 1), sizeof(double), cmp_double);
+        const double best = step[i][1], median = step[i][1 + (reps - 1) / 2];
+        const double read = plain[i][1], read_median = plain[i][1 + (reps - 1) / 2];
+        printf("%s: %.1f MB a step; best %.3f ms (%.1f GB/s), median %.3f ms (%.1f GB/s); "
+               "plain read best %.3f ms (%.1f GB/s), median %.3f; kernel / read %.0f%% (best), "
+               "%.0f%% (median)\n", argv[6 + i], total[i] / 1e6, best * 1e3, total[i] / best / 1e9,
+               median * 1e3, total[i] / median / 1e9, read * 1e3, total[i] / read / 1e9,
+               read_median * 1e3, 100 * read / best, 100 * read_median / median);
+    }
+    return (int)(sink & 0);
+}
