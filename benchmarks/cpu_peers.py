@@ -13,9 +13,11 @@ of its floor.
   VM's drifts with its neighbours): "of roofline".
 - Concurrency 1: 8 streamed requests (the same prompt and output ranges), one at a time,
   through each engine's OpenAI server with one client; TPOT = (end - first token) /
-  (tokens - 1). Every server is up at once and each request goes to all of them in turn
-  (the order rotating), so a drift in the machine's speed falls on every engine alike
-  (`--single-apart`: one server after the other, for less memory). Floor: the bytes of
+  (tokens - 1). kvflow's and llama.cpp's servers are up at once and each request goes to
+  all of them in turn (the order rotating), so a drift in the machine's speed falls on every
+  engine alike (`--single-apart`: one server after the other, for less memory); vLLM's server
+  runs apart, after them, since its idle processes do not wait in poll but take CPU from
+  the engine being timed ("idle servers" in the CPU table). Floor: the bytes of
   the weights a token reads (the engine's weight type; kvflow-auto's one-row steps read the
   12-bit copies it holds of its panels or pair panels, and its greedy tokens there an int8
   copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
@@ -379,10 +381,17 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     (CPU ms, context switches). Every server is up at once and each request goes to all of
     them in turn, the order rotating by one each round (`--single-apart`: one server after
     the other), so that a drift in the machine's speed (a VM's neighbours, the clock) falls
-    on every engine alike and the ratios stay comparable; an idle server waits in poll."""
-    if args.single_apart and len(engines) > 1:
-        return {k: v for e in engines
-                for k, v in tpot_one_at_a_time([e], args, prompts, outputs).items()}
+    on every engine alike and the ratios stay comparable; an idle kvflow or llama.cpp server
+    waits in poll. vLLM's does not: its idle processes took 2.2-4.2 CPU ms a token from the
+    engine being timed (2 cores, "idle servers" below), so vLLM's server always runs apart,
+    after the others."""
+    apart = [e for e in engines if args.single_apart or e.startswith("vllm")]
+    together = [e for e in engines if e not in apart]
+    if apart and len(engines) > 1:
+        each = tpot_one_at_a_time(together, args, prompts, outputs) if together else {}
+        for e in apart:
+            each.update(tpot_one_at_a_time([e], args, prompts, outputs))
+        return each
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
     rows: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
