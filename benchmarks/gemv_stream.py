@@ -14,8 +14,8 @@ turns in one process, so a drift in the VM's speed falls on each alike.
 
 Layouts: panels (bfloat16 under float32 x), panels12 (their 12-bit copy), pairs (bfloat16
 pair panels, AVX512-BF16), pairs12 (their 12-bit copy), i8 (int8 panels); default: what a
-one-request step reads on this CPU (pairs12 with AVX512-BF16, else panels12). A build that
-cannot hold a layout says so. GB/s: of the bytes the layout holds.
+one-request step reads with the first --isa build (pairs12 with AVX512-BF16, else panels12).
+A build that cannot hold a layout says so. GB/s: of the bytes the layout holds.
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def main() -> None:
                         help="another build of the kernel library to compare (a path)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    layout = args.layout or ("pairs12" if cpu_ops.pairs_available() else "panels12")
     libs = {isa: str(cpu_ops._build(cpu_ops.ISA_FLAGS[isa])) for isa in args.isa.split(",")}
+    first = cpu_ops._load(Path(next(iter(libs.values()))))
+    layout = args.layout or ("pairs12" if first.gemv_pairs_available() else "panels12")
     libs.update({path: path for path in args.lib})
     harness = build_harness()
     print(f"{cpu_name()}, {args.threads} threads; layout {layout}, {args.rows} row(s), "
