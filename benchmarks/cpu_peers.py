@@ -26,7 +26,8 @@ of its floor.
   `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
   and for every server the CPU time each of its processes, and the client, spent per output
   token, with their context switches: on a machine with few cores, the server's and the
-  client's work between tokens is taken from the threads that compute them.
+  client's work between tokens is taken from the threads that compute them; and the CPU
+  time the other servers, idle, took meanwhile ("idle servers"; ~0 where they wait in poll).
 
 Engines (--only, comma-separated; default all):
   kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
@@ -341,12 +342,11 @@ def role(proc: psutil.Process) -> str:
     return name
 
 
-def cpu_use(procs: list[psutil.Process], client: bool = True
-            ) -> dict[str, tuple[float, int]]:
+def cpu_use(procs: list[psutil.Process]) -> dict[str, tuple[float, int]]:
     """Each role's CPU seconds (user + system) and context switches so far; "client" is this
-    process (the benchmark's HTTP client), counted unless `client` is False."""
+    process (the benchmark's HTTP client)."""
     use: dict[str, tuple[float, int]] = {}
-    for proc in [psutil.Process(), *procs] if client else procs:
+    for proc in [psutil.Process(), *procs]:
         try:
             t = proc.cpu_times()
             count = thread_switches(proc)
@@ -373,14 +373,27 @@ def thread_switches(proc: psutil.Process) -> int:
     return total
 
 
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """The CPU seconds (user + system) these processes have used so far."""
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                        prompts: list[list[int]], outputs: list[int]
                        ) -> dict[str, dict[str, Any]]:
     """Per engine: the median TPOT (ms) of streamed requests sent one at a time through its
     server, and what each of its processes and the client spent per output token meanwhile
-    (CPU ms, context switches). Every server is up at once and each request goes to all of
-    them in turn, the order rotating by one each round (`--single-apart`: one server after
-    the other), so that a drift in the machine's speed (a VM's neighbours, the clock) falls
+    (CPU ms, context switches), and what the other servers, idle, took meanwhile. kvflow's
+    and llama.cpp's servers are up at once and each request goes to all of them in turn, the
+    order rotating by one each round (`--single-apart`: one server after the other), so that
+    a drift in the machine's speed (a VM's neighbours, the clock) falls
     on every engine alike and the ratios stay comparable; an idle kvflow or llama.cpp server
     waits in poll. vLLM's does not: its idle processes took 2.2-4.2 CPU ms a token from the
     engine being timed (2 cores, "idle servers" below), so vLLM's server always runs apart,
@@ -422,20 +435,20 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                         # (Intel OpenMP's KMP_BLOCKTIME, 200 ms) on the cores this one needs.
                         await asyncio.sleep(0.3)
                         others = [q for e in names if e != engine for q in procs[e]]
+                        idle_before = cpu_seconds(others)    # outside the client's window
                         before = cpu_use(procs[engine])
-                        idle_before = sum(v[0] for v in cpu_use(others, False).values())
                         result = await serve_bench.send(client, urls[engine], "default", req)
-                        idle_after = sum(v[0] for v in cpu_use(others, False).values())
                         after = cpu_use(procs[engine])
+                        idle_after = cpu_seconds(others)
                         results, use = got[engine]
                         results.append(result)
                         for k in after.keys() & before.keys():
                             total = use.setdefault(k, [0.0, 0.0])
                             total[0] += after[k][0] - before[k][0]
                             total[1] += after[k][1] - before[k][1]
-                        # what the idle servers took meanwhile (each should wait in poll)
-                        idle = use.setdefault("idle servers", [0.0, 0.0])
-                        idle[0] += idle_after - idle_before
+                        if others:   # what the idle servers took meanwhile (should be ~0)
+                            idle = use.setdefault("idle servers", [0.0, 0.0])
+                            idle[0] += idle_after - idle_before
             return got
 
         got = asyncio.run(go()) if urls else {}

@@ -1,15 +1,17 @@
 /* A decode step's linears as the fused step runs them, against a plain read of the same bytes
  * (benchmarks/gemv_stream.py builds and runs this; see there).
  *
- *   gemv_stream LAYOUT ROWS LAYERS REPS SHAPES LIB [LIB ...]
+ *   gemv_stream LAYOUT XTYPE ROWS LAYERS REPS SHAPES LIB [LIB ...]
  *
  * LAYOUT: cpu_gemv.c's weight code (4 panels, 5 int8 panels, 6 12-bit panels, 7 pair panels,
- * 8 12-bit pair panels); SHAPES: "NxK,NxK,..." (a layer's linears in order); each LIB: a
- * build of kvflow's kernel library. Each library packs its own LAYERS copies of every shape
- * (seeded normal weights x 0.05, rounded to bfloat16; int8: rounded to 127 levels) into 2 MB
- * pages, and a step calls its `gemv` once per shape and layer, every call on another copy,
- * so every byte comes from memory. The plain read: the same buffers, each split in halves
- * over the threads, one 64-bit load a cache line. The libraries and the read take turns,
+ * 8 12-bit pair panels); XTYPE: x's and the output's type (0 float32, 1 bfloat16), as the
+ * fused step passes its dtype; SHAPES: "NxK,NxK,..." (a layer's linears in order); each LIB:
+ * a build of kvflow's kernel library. Each library packs its own LAYERS copies of every
+ * shape (seeded normal weights x 0.05, rounded to bfloat16; int8: to integers in -127..127)
+ * into 2 MB pages, and a step calls its `gemv` once per shape and layer, every call on
+ * another copy, so every byte comes from memory. The plain read: the same buffers, each
+ * split evenly over the threads (OpenMP static), one 64-bit load a cache line. The
+ * libraries and the read take turns,
  * REPS rounds (the first not counted), so a drift in the machine's speed falls on each.
  * Prints per library: the best and median step, GB/s of the bytes it holds, its share of the
  * plain read's speed. */
@@ -49,11 +51,14 @@ static float normal(void) {
     return (float)(sqrt(-2 * log(uniform())) * cos(6.283185307179586 * uniform()));
 }
 
-static void *in_huge_pages(size_t n) {
+static void *in_huge_pages(size_t n) {                 /* zeroed; exits when out of memory */
     const size_t page = (size_t)2 << 20;
     n = (n + page - 1) / page * page;
     void *p = aligned_alloc(page, n);
-    if (p == NULL) return NULL;
+    if (p == NULL) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
     madvise(p, n, MADV_HUGEPAGE);
     memset(p, 0, n);
     return p;
@@ -64,14 +69,24 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* A symbol of `lib`, or NULL (with a message) where it has none. */
+static void *symbol(void *lib, const char *name) {
+    void *f = dlsym(lib, name);
+    if (f == NULL) fprintf(stderr, "the library has no %s\n", name);
+    return f;
+}
+
 /* Weights [N, K] packed by `lib` in `layout` into a new buffer (its size in *bytes), or NULL
- * where that build cannot. */
+ * where that build cannot (this layout, or this shape in it). */
 static void *pack(void *lib, int layout, const uint16_t *wb, const int8_t *wi, int64_t N,
                   int64_t K, int64_t *bytes) {
     void *out;
+    const char *name = layout == 4 ? "pack_panels" : layout == 5 ? "pack_i8_panels"
+                     : layout == 6 ? "pack_panels12" : layout == 7 ? "pack_pairs" : "pack_pairs12";
+    if (layout < 4 || layout > 8 || symbol(lib, name) == NULL) return NULL;
     switch (layout) {
     case 4: {
-        int (*width)(void) = (int (*)(void))dlsym(lib, "gemv_panel_width");
+        int (*width)(void) = (int (*)(void))symbol(lib, "gemv_panel_width");
         if (width == NULL || width() == 0 || N % width()) return NULL;
         *bytes = N * K * 2;
         out = in_huge_pages((size_t)*bytes);
@@ -92,6 +107,7 @@ static void *pack(void *lib, int layout, const uint16_t *wb, const int8_t *wi, i
     case 6:
     case 8: {
         const char *size = layout == 6 ? "panels12_bytes" : "pairs12_bytes";
+        if (symbol(lib, size) == NULL) return NULL;
         *bytes = ((int64_t (*)(const uint16_t *, int64_t, int64_t))dlsym(lib, size))(wb, N, K);
         if (*bytes == 0) return NULL;
         out = in_huge_pages((size_t)*bytes);
@@ -105,31 +121,51 @@ static void *pack(void *lib, int layout, const uint16_t *wb, const int8_t *wi, i
 }
 
 int main(int argc, char **argv) {
-    if (argc < 7) {
-        fprintf(stderr, "usage: %s LAYOUT ROWS LAYERS REPS NxK,... LIB [LIB ...]\n", argv[0]);
+    if (argc < 8) {
+        fprintf(stderr, "usage: %s LAYOUT XTYPE ROWS LAYERS REPS NxK,... LIB [LIB ...]\n",
+                argv[0]);
         return 2;
     }
-    const int layout = atoi(argv[1]);
-    const int64_t M = atoll(argv[2]), layers = atoll(argv[3]);
-    const int reps = atoi(argv[4]), nlibs = argc - 6;
+    const int layout = atoi(argv[1]), xtype = atoi(argv[2]);
+    const int64_t M = atoll(argv[3]), layers = atoll(argv[4]);
+    const int reps = atoi(argv[5]), nlibs = argc - 7;
     int64_t shape[MAX_SHAPES][2], nshapes = 0, maxk = 0, maxn = 0;
-    for (char *s = argv[5]; *s && nshapes < MAX_SHAPES; nshapes++) {
-        shape[nshapes][0] = strtoll(s, &s, 10);
-        shape[nshapes][1] = strtoll(s + 1, &s, 10);
+    for (char *s = argv[6]; *s; nshapes++) {
+        char *end;
+        if (nshapes == MAX_SHAPES) {
+            fprintf(stderr, "at most %d shapes\n", MAX_SHAPES);
+            return 2;
+        }
+        shape[nshapes][0] = strtoll(s, &end, 10);
+        if (*end != 'x') {
+            fprintf(stderr, "a shape is NxK: %s\n", s);
+            return 2;
+        }
+        shape[nshapes][1] = strtoll(end + 1, &s, 10);
+        if (shape[nshapes][0] < 1 || shape[nshapes][1] < 1 || (*s && *s != ',')) {
+            fprintf(stderr, "a shape is NxK with N, K >= 1: %s\n", argv[6]);
+            return 2;
+        }
         if (*s == ',') s++;
         maxn = shape[nshapes][0] > maxn ? shape[nshapes][0] : maxn;
         maxk = shape[nshapes][1] > maxk ? shape[nshapes][1] : maxk;
     }
-    if (nlibs > MAX_LIBS || reps < 2 || reps > MAX_REPS || layers < 1 || M < 1) return 2;
+    if (nshapes == 0 || nlibs > MAX_LIBS || reps < 2 || reps > MAX_REPS || layers < 1 || M < 1
+        || (xtype != 0 && xtype != 1)) {
+        fprintf(stderr, "need 1..%d shapes, at most %d libraries, 2..%d rounds, layers and "
+                "rows >= 1, XTYPE 0 or 1\n", MAX_SHAPES, MAX_LIBS, MAX_REPS);
+        return 2;
+    }
     void *lib[MAX_LIBS];
     gemv_fn gemv[MAX_LIBS];
     for (int i = 0; i < nlibs; i++) {
-        lib[i] = dlopen(argv[6 + i], RTLD_NOW | RTLD_LOCAL);
+        lib[i] = dlopen(argv[7 + i], RTLD_NOW | RTLD_LOCAL);
         if (lib[i] == NULL) {
             fprintf(stderr, "%s\n", dlerror());
             return 1;
         }
-        gemv[i] = (gemv_fn)dlsym(lib[i], "gemv");
+        gemv[i] = (gemv_fn)symbol(lib[i], "gemv");
+        if (gemv[i] == NULL) return 1;
     }
     /* the weights, then each library's copies */
     void **w = calloc((size_t)(nlibs * layers * nshapes), sizeof(void *));
@@ -158,8 +194,12 @@ int main(int argc, char **argv) {
             }
         free(wb), free(wi);
     }
-    uint16_t *x = malloc((size_t)(M * maxk) * 2);
-    for (int64_t e = 0; e < M * maxk; e++) x[e] = to_bf16(normal());
+    float *x = malloc((size_t)(M * maxk) * sizeof(float));     /* float32 x, or bfloat16 in */
+    for (int64_t e = 0; e < M * maxk; e++) {                   /* its first half */
+        const float v = normal();
+        if (xtype == 0) x[e] = v;
+        else ((uint16_t *)x)[e] = to_bf16(v);
+    }
     float *out = malloc((size_t)(M * maxn) * sizeof(float));
     static double step[MAX_LIBS][MAX_REPS], plain[MAX_LIBS][MAX_REPS];
     volatile int64_t sink = 0;
@@ -170,9 +210,12 @@ int main(int argc, char **argv) {
             for (int64_t l = 0; l < layers; l++)
                 for (int64_t m = 0; m < nshapes; m++) {
                     const int64_t at = (i * layers + l) * nshapes + m;
-                    if (gemv[i](x, 1, shape[m][1], M, w[at], layout, layout == 5 ? scales : NULL,
-                                NULL, NULL, shape[m][0], shape[m][1], out, 0, shape[m][0])) {
-                        fprintf(stderr, "gemv failed: %s\n", argv[6 + i]);
+                    if (gemv[i](x, xtype, shape[m][1], M, w[at], layout,
+                                layout == 5 ? scales : NULL, NULL, NULL, shape[m][0],
+                                shape[m][1], out, xtype, shape[m][0])) {
+                        fprintf(stderr, "%s: gemv refused %lld rows x %lldx%lld in layout %d "
+                                "(x type %d)\n", argv[7 + i], (long long)M,
+                                (long long)shape[m][0], (long long)shape[m][1], layout, xtype);
                         return 1;
                     }
                 }
@@ -192,7 +235,8 @@ int main(int argc, char **argv) {
         }
     for (int i = 0; i < nlibs; i++) {
         if (!usable[i]) {
-            printf("%s: this build cannot pack layout %d\n", argv[6 + i], layout);
+            printf("%s: this build cannot pack these shapes in layout %d\n", argv[7 + i],
+                   layout);
             continue;
         }
         qsort(step[i] + 1, (size_t)(reps - 1), sizeof(double), cmp_double);
@@ -201,7 +245,7 @@ int main(int argc, char **argv) {
         const double read = plain[i][1], read_median = plain[i][1 + (reps - 1) / 2];
         printf("%s: %.1f MB a step; best %.3f ms (%.1f GB/s), median %.3f ms (%.1f GB/s); "
                "plain read best %.3f ms (%.1f GB/s), median %.3f; kernel / read %.0f%% (best), "
-               "%.0f%% (median)\n", argv[6 + i], total[i] / 1e6, best * 1e3, total[i] / best / 1e9,
+               "%.0f%% (median)\n", argv[7 + i], total[i] / 1e6, best * 1e3, total[i] / best / 1e9,
                median * 1e3, total[i] / median / 1e9, read * 1e3, total[i] / read / 1e9,
                read_median * 1e3, 100 * read / best, 100 * read_median / median);
     }

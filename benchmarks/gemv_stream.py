@@ -6,20 +6,25 @@ large share of a small matrix). Here a C program (gemv_stream.c, built on first 
 kvflow's kernel library directly, as cpu_decode.c does: a step is every shape of a layer in
 order, for LAYERS layers, each call on its own copy of the weights (2 MB pages), so every
 byte comes from memory. After each step it reads the same buffers plainly (each matrix
-split in halves over the threads, one load a cache line). Several builds (--isa, --lib) take
+split evenly over the threads, one load a cache line). Several builds (--isa, --lib) take
 turns in one process, so a drift in the VM's speed falls on each alike.
 
     python benchmarks/gemv_stream.py [--layout pairs12] [--rows 1] [--isa native,avx2]
         [--lib OTHER.so ...]
 
-Layouts: panels (bfloat16 under float32 x), panels12 (their 12-bit copy), pairs (bfloat16
-pair panels, AVX512-BF16), pairs12 (their 12-bit copy), i8 (int8 panels); default: what a
-one-request step reads with the first --isa build (pairs12 with AVX512-BF16, else panels12).
-A build that cannot hold a layout says so. GB/s: of the bytes the layout holds.
+Layouts, and x's dtype as the fused step passes it (its model dtype): panels (bfloat16
+weights, float32 x), panels12 (their 12-bit copy, float32 x: what a one-request step reads
+on AVX2 CPUs), pairs (bfloat16 pair panels, bfloat16 x, AVX512-BF16), pairs12 (their 12-bit
+copy: what it reads on AVX512-BF16 CPUs without AMX), i8 (int8 panels; bfloat16 x where the
+first build has AVX512-BF16, else float32). Default: pairs12 where the first --isa build has
+AVX512-BF16, else panels12 (AVX-512 CPUs without BF16 read the plain panels at one row:
+--layout panels). A build that cannot hold a layout says so. GB/s: of the bytes the layout
+holds.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -37,8 +42,10 @@ SHAPES = "960x576,576x576,3072x576,576x1536"    # the default model's qkv, o, ga
 
 def build_harness() -> Path:
     source = Path(__file__).with_name("gemv_stream.c")
-    target = Path(cache_dir()) / "bench" / "gemv_stream"
-    if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
+    key = hashlib.blake2b(source.read_bytes() + cpu_ops._cpu_id().encode(),   # -march=native
+                          digest_size=8).hexdigest()
+    target = Path(cache_dir()) / "bench" / f"gemv_stream-{key}"
+    if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC") or "cc"
@@ -70,15 +77,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     libs = {isa: str(cpu_ops._build(cpu_ops.ISA_FLAGS[isa])) for isa in args.isa.split(",")}
-    first = cpu_ops._load(Path(next(iter(libs.values()))))
-    layout = args.layout or ("pairs12" if first.gemv_pairs_available() else "panels12")
+    bf16 = bool(cpu_ops._load(Path(next(iter(libs.values())))).gemv_pairs_available())
+    layout = args.layout or ("pairs12" if bf16 else "panels12")
+    xtype = 1 if layout in ("pairs", "pairs12") or (layout == "i8" and bf16) else 0
     libs.update({path: path for path in args.lib})
     harness = build_harness()
-    print(f"{cpu_name()}, {args.threads} threads; layout {layout}, {args.rows} row(s), "
-          f"{args.layers} layers of {args.shapes}", flush=True)
+    print(f"{cpu_name()}, {args.threads} threads; layout {layout}, {args.rows} row(s) of "
+          f"{'bfloat16' if xtype else 'float32'}, {args.layers} layers of {args.shapes}",
+          flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    result = subprocess.run([str(harness), str(LAYOUTS[layout]), str(args.rows), str(args.layers),
-                             str(args.reps), args.shapes, *libs.values()],
+    result = subprocess.run([str(harness), str(LAYOUTS[layout]), str(xtype), str(args.rows),
+                             str(args.layers), str(args.reps), args.shapes, *libs.values()],
                             env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(result.stderr.strip() or f"gemv_stream exited {result.returncode}")

@@ -1122,8 +1122,8 @@ static inline const uint8_t *p12_panel(const void *packed, int64_t N, int64_t K,
  * bfloat16 panels' do, so the results are theirs bit for bit. Each panel's stream is
  * prefetched P12_AHEAD groups ahead, a line or a few each pair of inputs (one burst of a
  * group's 25 lines at its start ran 1.2x slower); past a panel's end, the group of the panel
- * NP on (the next call's), while that is below `end`. One or two groups ahead were alike,
- * three or four and T1 slower.
+ * NP on (the next call's), while all NP of those are below `end` (else each panel fetches
+ * its own group again). One or two groups ahead were alike, three or four and T1 slower.
  * A group with no panel kept whole (nearly all) runs a loop without branches; P12_NP panels
  * at a time (gemv's claims at one row): on AVX2, four panels' 8 sums, 4 tables, 2 x values
  * and 2 masks took all 16 registers, and GCC spilled a decoded vector to the stack and read
@@ -1208,11 +1208,13 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
             /* The NP panels lie pb apart, so one pointer serves them all: with a pointer   \
              * a panel for its lows, nibbles and fetch, four panels' pointers did not fit   \
              * the registers, and GCC reloaded them from the stack every pair (the fetch in  \
-             * an inner loop, too). Past the end of the thread's panels every panel fetches \
-             * its own group again (cached). Each pair of inputs fetches its 3 PANEL bytes' \
-             * share of the group ahead, a line every 48 bytes. */                          \
+             * an inner loop, too). Where any panel's group ahead lies at or past `end`,    \
+             * every panel fetches its own group again (cached). Each pair of inputs       \
+             * fetches its 3 PANEL bytes' share of the group fetched, a line every 48      \
+             * bytes, for as many pairs as both groups have (a panel's last may be short). */ \
             const int64_t pb = p12_panel_bytes(K);                                            \
             const char *pfb = any_self ? (const char *)grp[0] : pf[0];                        \
+            const int64_t fetch_pairs = any_self ? gk / 2 : gt / 2;                           \
             vword table[NP];                                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                              \
                 table[j] = P12_TABLE(grp[0] + j * pb);                                        \
@@ -1222,8 +1224,9 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
                 _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)                           \
                     XLOAD(x + i * K, k0 + 2 * pair, i);                                       \
                 _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++) {                        \
-                    _Pragma("GCC unroll 2") for (int o = 0; o < 3 * PANEL; o += 48)           \
-                        _mm_prefetch(pfb + j * pb + pair * 3 * PANEL + o, P12_HINT);          \
+                    if (pair < fetch_pairs)                                                   \
+                        _Pragma("GCC unroll 2") for (int o = 0; o < 3 * PANEL; o += 48)       \
+                            _mm_prefetch(pfb + j * pb + pair * 3 * PANEL + o, P12_HINT);      \
                     const vword low = VLOAD_WORDS(lows + j * pb + pair * 2 * PANEL);          \
                     const vword high = P12_LOOKUP(table[j], P12_LOW4(P12_HALVES(              \
                         P12_NIBS(nibs + j * pb + pair * PANEL))));                            \
