@@ -393,11 +393,10 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     (CPU ms, context switches), and what the other servers, idle, took meanwhile. kvflow's
     and llama.cpp's servers are up at once and each request goes to all of them in turn, the
     order rotating by one each round (`--single-apart`: one server after the other), so that
-    a drift in the machine's speed (a VM's neighbours, the clock) falls
-    on every engine alike and the ratios stay comparable; an idle kvflow or llama.cpp server
-    waits in poll. vLLM's does not: its idle processes took 2.2-4.2 CPU ms a token from the
-    engine being timed (2 cores, "idle servers" below), so vLLM's server always runs apart,
-    after the others."""
+    a drift in the machine's speed (a VM's neighbours, the clock) falls on every engine alike
+    and the ratios stay comparable; an idle kvflow or llama.cpp server waits in poll. vLLM's
+    does not: its idle processes took 2.2-4.2 CPU ms a token from the engine being timed (2
+    cores, "idle servers" below), so vLLM's server always runs apart, after the others."""
     apart = [e for e in engines if args.single_apart or e.startswith("vllm")]
     together = [e for e in engines if e not in apart]
     if apart and len(engines) > 1:
