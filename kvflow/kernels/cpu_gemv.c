@@ -1169,7 +1169,6 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
     int64_t E;                                                                                \
     memcpy(&E, packed, 8);                                                                    \
     const int64_t groups = (K + P12_G - 1) / P12_G, gb = p12_group_bytes(P12_G);              \
-    const int64_t lines = (gb + 63) / 64;                                                     \
     const int64_t *numbers = (const int64_t *)((const uint8_t *)packed + 8);                  \
     const uint16_t *whole = (const uint16_t *)(p12_panel(packed, N, K, 0)                     \
                                                + N / PANEL * p12_panel_bytes(K));             \
@@ -1183,38 +1182,29 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
         const int64_t k0 = g * P12_G, gk = K - k0 < P12_G ? K - k0 : P12_G;                   \
         const uint8_t *grp[NP];                                                               \
         const uint16_t *raw[NP];                                                              \
-        const int64_t t = (g + P12_AHEAD) % groups;    /* past the end: the next panel's */   \
-        const char *pf[NP];                                                                   \
-        int any_raw = 0, any_self = 0;                                                        \
+        int any_raw = 0;                                                                      \
         for (int j = 0; j < NP; j++) {                                                        \
             grp[j] = p12_panel(packed, N, K, q0 + j) + g * gb;                                \
-            const int64_t tq = q0 + j + (g + P12_AHEAD < groups ? 0 : NP);                    \
-            /* nothing to fetch ahead: the group itself again (cached; see pl) */             \
-            pf[j] = tq < end ? (const char *)p12_panel(packed, N, K, tq) + t * gb             \
-                             : (const char *)grp[j];                                          \
-            any_self |= tq >= end;                                                            \
             raw[j] = NULL;                                                                    \
             if (e[j] < E && numbers[e[j]] == (q0 + j) * groups + g)                           \
                 raw[j] = whole + e[j]++ * P12_G * PANEL;                                      \
             any_raw |= raw[j] != NULL;                                                        \
         }                                                                                     \
-        const int64_t per_pair = (lines + gk / 2 - 1) / (gk / 2);   /* lines a pair */        \
-        /* lines to fetch: within the groups fetched (a panel's last may be short) */         \
+        /* The group fetched (above). The NP panels lie pb apart, so one pointer serves    \
+         * them all: with a pointer a panel for its lows, nibbles and fetch, four panels'   \
+         * pointers did not fit the registers, and GCC reloaded them from the stack every   \
+         * pair (the fetch in an inner loop, too). Each pair of inputs fetches its 3 PANEL  \
+         * bytes' share of the group fetched, a line every 48 bytes, for as many pairs as   \
+         * both groups have (a panel's last may be short). */                                \
+        const int64_t pb = p12_panel_bytes(K);                                                \
+        const int64_t t = (g + P12_AHEAD) % groups;                                           \
+        const int64_t tq = q0 + (g + P12_AHEAD < groups ? 0 : NP);                            \
+        const int any_self = tq + NP - 1 >= end;                                              \
         const int64_t gt = K - t * P12_G < P12_G ? K - t * P12_G : P12_G;                     \
-        const int64_t lt = (p12_group_bytes(gt) + 63) / 64;                                   \
-        const int64_t lg = (p12_group_bytes(gk) + 63) / 64;                                   \
-        const int64_t pl = any_self && lg < lt ? lg : lt;                                     \
+        const char *pfb = any_self ? (const char *)grp[0]                                     \
+                                   : (const char *)p12_panel(packed, N, K, tq) + t * gb;      \
+        const int64_t fetch_pairs = any_self ? gk / 2 : gt / 2;                               \
         if (!any_raw) {              /* the usual case: every panel's group encoded */        \
-            /* The NP panels lie pb apart, so one pointer serves them all: with a pointer   \
-             * a panel for its lows, nibbles and fetch, four panels' pointers did not fit   \
-             * the registers, and GCC reloaded them from the stack every pair (the fetch in  \
-             * an inner loop, too). Where any panel's group ahead lies at or past `end`,    \
-             * every panel fetches its own group again (cached). Each pair of inputs       \
-             * fetches its 3 PANEL bytes' share of the group fetched, a line every 48      \
-             * bytes, for as many pairs as both groups have (a panel's last may be short). */ \
-            const int64_t pb = p12_panel_bytes(K);                                            \
-            const char *pfb = any_self ? (const char *)grp[0] : pf[0];                        \
-            const int64_t fetch_pairs = any_self ? gk / 2 : gt / 2;                           \
             vword table[NP];                                                                  \
             _Pragma("GCC unroll 4") for (int j = 0; j < NP; j++)                              \
                 table[j] = P12_TABLE(grp[0] + j * pb);                                        \
@@ -1240,9 +1230,10 @@ static void NAME##_##R##_##NP(const void *packed, int64_t N, int64_t K, int64_t 
         for (int64_t pair = 0; pair < gk / 2; pair++) {      /* some group kept whole */      \
             XDECL(R);                                                                         \
             for (int i = 0; i < R; i++) XLOAD(x + i * K, k0 + 2 * pair, i);                   \
-            for (int64_t l = pair * per_pair; l < (pair + 1) * per_pair && l < pl; l++)  \
-                for (int j = 0; j < NP; j++) _mm_prefetch(pf[j] + l * 64, P12_HINT);          \
             for (int j = 0; j < NP; j++) {                                                    \
+                if (pair < fetch_pairs)                                                       \
+                    for (int o = 0; o < 3 * PANEL; o += 48)                                   \
+                        _mm_prefetch(pfb + j * pb + pair * 3 * PANEL + o, P12_HINT);          \
                 vword u0, u1;                                                                 \
                 if (raw[j] == NULL) {                                                         \
                     const uint8_t *lows = grp[j] + 16;                                        \
@@ -1712,7 +1703,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
     if (!in_place && xs == NULL) return 1;
     const float *xf = in_place ? (const float *)x : (const float *)xs;
     float *xscale = in_place ? NULL : (float *)((char *)xs + xbytes);  /* int8: x's scale a row */
-    const uint16_t *xpairs = in_place ? (const uint16_t *)x : (const uint16_t *)xs;  /* pairs */
+    const uint16_t *xpairs __attribute__((unused))          /* pairs (BF16 builds only) */
+        = in_place ? (const uint16_t *)x : (const uint16_t *)xs;
     for (int64_t m = 0; m < M && !in_place; m++) {
         if (xtype == T_BF16 && in_scale == NULL && !ints && !pairs && wtype != T_BF16) {
             widen_row((const uint16_t *)x + m * ldx, K, (float *)xs + m * K);
