@@ -11,8 +11,8 @@
  * into 2 MB pages, and a step calls its `gemv` once per shape and layer, every call on
  * another copy, so every byte comes from memory. The plain read: the same buffers, each
  * split evenly over the threads (OpenMP static), one 64-bit load a cache line. The
- * libraries and the read take turns,
- * REPS rounds (the first not counted), so a drift in the machine's speed falls on each.
+ * libraries and the read take turns, REPS rounds (the first not counted), so a drift in the
+ * machine's speed falls on each.
  * Prints per library: the best and median step, GB/s of the bytes it holds, its share of the
  * plain read's speed. */
 #define _GNU_SOURCE
@@ -78,46 +78,33 @@ static void *symbol(void *lib, const char *name) {
 
 /* Weights [N, K] packed by `lib` in `layout` into a new buffer (its size in *bytes), or NULL
  * where that build cannot (this layout, or this shape in it). */
+typedef int (*pack_fn)(const void *, int64_t, int64_t, void *);   /* int8, pairs: 0 = done */
+typedef void (*pack_void_fn)(const void *, int64_t, int64_t, void *);
 static void *pack(void *lib, int layout, const uint16_t *wb, const int8_t *wi, int64_t N,
                   int64_t K, int64_t *bytes) {
-    void *out;
-    const char *name = layout == 4 ? "pack_panels" : layout == 5 ? "pack_i8_panels"
-                     : layout == 6 ? "pack_panels12" : layout == 7 ? "pack_pairs" : "pack_pairs12";
-    if (layout < 4 || layout > 8 || symbol(lib, name) == NULL) return NULL;
-    switch (layout) {
-    case 4: {
+    static const char *const names[] = {"pack_panels", "pack_i8_panels", "pack_panels12",
+                                        "pack_pairs", "pack_pairs12"};
+    if (layout < 4 || layout > 8) return NULL;
+    void *fn = symbol(lib, names[layout - 4]);
+    if (fn == NULL) return NULL;
+    if (layout == 4) {                                /* pack_panels checks nothing itself */
         int (*width)(void) = (int (*)(void))symbol(lib, "gemv_panel_width");
         if (width == NULL || width() == 0 || N % width()) return NULL;
-        *bytes = N * K * 2;
-        out = in_huge_pages((size_t)*bytes);
-        ((void (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(lib, "pack_panels"))(
-            wb, N, K, out);
-        return out;
     }
-    case 5:
-        *bytes = N * K;
-        out = in_huge_pages((size_t)*bytes);
-        return ((int (*)(const int8_t *, int64_t, int64_t, void *))dlsym(
-                    lib, "pack_i8_panels"))(wi, N, K, out) ? NULL : out;
-    case 7:
-        *bytes = N * K * 2;
-        out = in_huge_pages((size_t)*bytes);
-        return ((int (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(lib, "pack_pairs"))(
-                   wb, N, K, out) ? NULL : out;
-    case 6:
-    case 8: {
-        const char *size = layout == 6 ? "panels12_bytes" : "pairs12_bytes";
-        if (symbol(lib, size) == NULL) return NULL;
-        *bytes = ((int64_t (*)(const uint16_t *, int64_t, int64_t))dlsym(lib, size))(wb, N, K);
+    if (layout == 6 || layout == 8) {                                /* 12 bits: sized */
+        int64_t (*size)(const uint16_t *, int64_t, int64_t) = (int64_t (*)(
+            const uint16_t *, int64_t, int64_t))symbol(lib, layout == 6 ? "panels12_bytes"
+                                                                        : "pairs12_bytes");
+        *bytes = size == NULL ? 0 : size(wb, N, K);
         if (*bytes == 0) return NULL;
-        out = in_huge_pages((size_t)*bytes);
-        ((void (*)(const uint16_t *, int64_t, int64_t, void *))dlsym(
-            lib, layout == 6 ? "pack_panels12" : "pack_pairs12"))(wb, N, K, out);
-        return out;
+    } else {
+        *bytes = N * K * (layout == 5 ? 1 : 2);
     }
-    default:
-        return NULL;
-    }
+    void *out = in_huge_pages((size_t)*bytes);
+    const void *w = layout == 5 ? (const void *)wi : (const void *)wb;
+    if (layout == 5 || layout == 7) return ((pack_fn)fn)(w, N, K, out) ? NULL : out;
+    ((pack_void_fn)fn)(w, N, K, out);
+    return out;
 }
 
 int main(int argc, char **argv) {
