@@ -478,8 +478,8 @@ def pack_pairs12(weight: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 weight [N, K] in cpu_gemv.c's 12-bit pair panels (`gemv(...,
     layout="pairs12")`, up to `pairs12_rows()` rows of x, bfloat16): pack_panels12's groups
     and tables, each pair of inputs decoded into the pair panels' words, so the same results
-    as `pack_pairs`' bit for bit at 76% of the bytes. None where it cannot (as pack_pairs); a uint8 tensor as
-    pack_panels12's."""
+    as `pack_pairs`' bit for bit at 76% of the bytes. None where it cannot (as pack_pairs); a
+    uint8 tensor as pack_panels12's."""
     if not pairs_available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     lib = library()
