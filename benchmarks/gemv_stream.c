@@ -215,7 +215,8 @@ int main(int argc, char **argv) {
                     const char *p = w[at];
                     const int64_t lines = bytes[at] / 64;
                     #pragma omp parallel for schedule(static) reduction(^ : acc)
-                    for (int64_t c = 0; c < lines; c++) acc ^= *(const volatile int64_t *)(p + c * 64);
+                    for (int64_t c = 0; c < lines; c++)
+                        acc ^= *(const volatile int64_t *)(p + c * 64);
                 }
             sink ^= acc;
             plain[i][r] = now() - start;
