@@ -42,9 +42,13 @@ Engines (--only, comma-separated; default all):
 
     python benchmarks/cpu_peers.py                         # everything (~40 min on 2 cores)
     python benchmarks/cpu_peers.py --only kvflow-auto,llamacpp-BF16,vllm-auto-allcores
-    python benchmarks/cpu_peers.py --isa avx2 --only kvflow-float32,kvflow-int8
-        # kvflow as an AVX2-only CPU runs it (oneDNN, MKL, torch at AVX2, kvflow's kernels
-        # without AVX-512, its CPU-flag decisions from KVFLOW_CPU_FLAGS); peers run natively
+    export LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh avx2)
+    python benchmarks/cpu_peers.py --isa avx2 --only kvflow-auto,llamacpp-Q8_0,vllm-float32-allcores
+        # every engine as an AVX2-only CPU runs it: kvflow (oneDNN, MKL, torch at AVX2, its
+        # kernels without AVX-512, its CPU-flag decisions from KVFLOW_CPU_FLAGS); vLLM (its
+        # AVX2 kernel library, oneDNN, MKL, torch and Inductor at AVX2: VLLM_SITECUSTOMIZE);
+        # llama.cpp as the build LLAMA_SERVER_DIR holds (llama_server_isa.sh: GGML_NATIVE off).
+        # --isa avx512: AVX-512 with VNNI, without BF16 (an Intel Xeon Cascade Lake).
 """
 from __future__ import annotations
 
@@ -102,6 +106,24 @@ ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
                           MKL_ENABLE_INSTRUCTIONS="AVX512", KVFLOW_KERNEL_ISA="avx512",
                           KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c avx512f avx512bw "
                                            "avx512vl avx512_vnni")}
+
+# vLLM as a CPU with only --isa's extensions: it picks its kernel library (_C_AVX2, _C_AVX512,
+# or _C for AVX512-BF16) and its attention code by torch.cpu's checks, which read CPUID. This
+# module, first on its PYTHONPATH, runs in each of its processes (workers too) and makes those
+# checks answer for the CPU named in KVFLOW_BENCH_CPU_HAS; the ISA_ENV variables but kvflow's
+# cap oneDNN, MKL, ATen and the code Inductor generates.
+VLLM_SITECUSTOMIZE = """
+import os
+_has = os.environ.get("KVFLOW_BENCH_CPU_HAS")
+if _has is not None:
+    import torch
+    _has = set(_has.split())
+    for _name in ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16"):
+        _check = (lambda answer: lambda: answer)(_name in _has)
+        setattr(torch._C._cpu, f"_is_{_name}_supported", _check)
+        setattr(torch.cpu, f"_is_{_name}_supported", _check)
+"""
+VLLM_CPU_HAS = {"avx2": "avx2", "avx512": "avx2 avx512 vnni"}
 
 VLLM_OFFLINE = """
 import json, sys, time
@@ -257,8 +279,16 @@ def vllm_python(args: argparse.Namespace) -> str:
 
 def vllm_env(name: str, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
-    for key in ISA_ENV.get(args.isa, {}):            # kvflow's emulation is not vLLM's
-        env.pop(key, None)
+    for key in ISA_ENV.get(args.isa, {}):
+        if key.startswith("KVFLOW_"):
+            env.pop(key, None)
+    if args.isa:                                     # vLLM as that CPU too (above)
+        site = os.path.join(tempfile.gettempdir(), f"kvflow-bench-vllm-as-{args.isa}")
+        os.makedirs(site, exist_ok=True)
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(VLLM_SITECUSTOMIZE)
+        env.update(KVFLOW_BENCH_CPU_HAS=VLLM_CPU_HAS[args.isa],
+                   PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
     if name.endswith("-allcores"):
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -539,7 +569,9 @@ def main() -> None:
                         help="concurrency 1: one server at a time (less memory) instead of "
                              "every server up at once, each request sent to all in turn")
     parser.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
-                        help="run kvflow as a CPU with only these extensions would")
+                        help="run kvflow and vLLM as a CPU with only these extensions would "
+                             "(llama.cpp: LLAMA_SERVER_DIR=$(bash benchmarks/"
+                             "llama_server_isa.sh ISA))")
     parser.add_argument("--vllm-venv", default=os.path.expanduser(
         "~/.cache/kvflow-bench/vllm-venv"))
     parser.add_argument("--install-vllm", action="store_true",
@@ -558,7 +590,11 @@ def main() -> None:
         from kvflow.frontend.model_files import ensure_default_model
         args.model = ensure_default_model()
     from kvflow.workers.hardware import resolve_dtype
-    print(serve_bench.cpu_info() + (f"; kvflow runs as an {args.isa} CPU" if args.isa else ""))
+    print(serve_bench.cpu_info() + (f"; kvflow and vLLM run as an {args.isa} CPU" if args.isa
+                                    else ""))
+    if args.isa and "LLAMA_SERVER_DIR" not in os.environ:
+        print(f"note: llama.cpp runs its native build (LLAMA_SERVER_DIR=$(bash "
+              f"benchmarks/llama_server_isa.sh {args.isa}) for an {args.isa} one)")
     auto = resolve_dtype("auto", torch.device("cpu"), {})
     auto_kind = "bfloat16" if auto.dtype == torch.bfloat16 else "float32"
     print(f"kvflow dtype=auto here: {auto_kind} ({auto.reason})")
