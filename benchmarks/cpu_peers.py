@@ -22,8 +22,9 @@ of its floor.
   12-bit copies it holds of its panels or pair panels, and its greedy tokens there an int8
   copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
   cache here; the mean of a reading before and one after the server runs).
-  Where the time goes: kvflow's engines also run the same requests in-process ("alone":
-  `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens - time for 1) / (n - 1)),
+  Where the time goes: kvflow's engines also run each request in-process right after their
+  server did ("alone": `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens -
+  time for 1) / (n - 1); paired, so the difference is the server's cost, not the drift),
   and for every server the CPU time each of its processes, and the client, spent per output
   token, with their context switches: on a machine with few cores, the server's and the
   client's work between tokens is taken from the threads that compute them; and the CPU
@@ -424,7 +425,9 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     and llama.cpp's servers are up at once and each request goes to all of them in turn, the
     order rotating by one each round (`--single-apart`: one server after the other), so that
     a drift in the machine's speed (a VM's neighbours, the clock) falls on every engine alike
-    and the ratios stay comparable; an idle kvflow or llama.cpp server waits in poll. vLLM's
+    and the ratios stay comparable; an idle kvflow or llama.cpp server waits in poll. Each
+    kvflow engine also runs each request in-process right after its server did ("alone_ms",
+    `Alone`), so that the difference is the server's cost, not the drift. vLLM's
     does not: its idle processes took 2.2-4.2 CPU ms a token from the engine being timed (2
     cores, "idle servers" below), so vLLM's server always runs apart, after the others."""
     apart = [e for e in engines if args.single_apart or e.startswith("vllm")]
@@ -436,6 +439,7 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
         return each
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
     rows: dict[str, dict[str, Any]] = {}
+    alone: dict[str, Alone] = {}
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
         procs: dict[str, list[psutil.Process]] = {}
@@ -448,6 +452,12 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                 continue
             tops = [p for p in psutil.Process().children() if p.pid not in before]
             procs[engine] = [q for p in tops for q in [p, *p.children(recursive=True)]]
+            if engine in KVFLOW:
+                try:
+                    alone[engine] = stack.enter_context(Alone(engine, args))
+                except Exception as e:    # the served figures stand without it
+                    print(f"{engine} in-process: {type(e).__name__}: {e}"[:300],
+                          file=sys.stderr, flush=True)
 
         async def go() -> dict[str, tuple[list[Any], dict[str, list[float]]]]:
             got: dict[str, tuple[list[Any], dict[str, list[float]]]] = {
@@ -478,6 +488,8 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                         if others:   # what the idle servers took meanwhile (should be ~0)
                             idle = use.setdefault("idle servers", [0.0, 0.0])
                             idle[0] += idle_after - idle_before
+                        if engine in alone:
+                            alone[engine].run(req.prompt, req.max_tokens)
             return got
 
         got = asyncio.run(go()) if urls else {}
@@ -492,27 +504,40 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
             "tpot_ms": 1e3 * serve_bench.pct(tpot, 50),
             "cpu_ms_per_token": {k: round(v[0] * 1e3 / tokens, 3) for k, v in use.items()},
             "switches_per_token": {k: round(v[1] / tokens, 2) for k, v in use.items()}}
+        if engine in alone and alone[engine].tpot:
+            rows[engine]["alone_ms"] = 1e3 * serve_bench.pct(alone[engine].tpot, 50)
     return rows
 
 
-def tpot_alone(engine: str, args: argparse.Namespace, prompts: list[list[int]],
-               outputs: list[int]) -> float:
-    """Median TPOT (ms) of the same requests in-process (kvflow's engine without its server):
-    per request, (time for n tokens - time for 1) / (n - 1), no prefix cache."""
-    from kvflow import LLM, SamplingParams
-    with LLM(args.model, in_process=True, enable_prefix_caching=False,
-             **KVFLOW[engine]) as llm:                                # type: ignore[arg-type]
-        def timed(prompt: list[int], n: int) -> float:
-            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            assert len(out.token_ids) == n
-            return time.perf_counter() - start
+class Alone:
+    """A kvflow engine in this process (`LLM(in_process=True)`, no server, no prefix cache):
+    each `run` appends a request's TPOT (s), (time for n tokens - time for 1) / (n - 1)."""
 
-        timed([1, 2, 3], 8)                                            # warm-up
-        tpot = [(timed(p, n) - timed(p, 1)) / (n - 1) for p, n in zip(prompts, outputs)
-                if n > 1]
-    return 1e3 * serve_bench.pct(tpot, 50)
+    def __init__(self, engine: str, args: argparse.Namespace) -> None:
+        self.engine, self.args = engine, args
+        self.tpot: list[float] = []
+
+    def __enter__(self) -> Alone:
+        from kvflow import LLM
+        self.llm = LLM(self.args.model, in_process=True, enable_prefix_caching=False,
+                       **KVFLOW[self.engine])                         # type: ignore[arg-type]
+        self._timed([1, 2, 3], 8)                                     # warm-up
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.llm.__exit__(*exc)
+
+    def _timed(self, prompt: list[int], n: int) -> float:
+        from kvflow import SamplingParams
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        out = self.llm.generate([prompt], params, use_tqdm=False)[0]
+        assert len(out.token_ids) == n
+        return time.perf_counter() - start
+
+    def run(self, prompt: list[int], n: int) -> None:
+        if n > 1:
+            self.tpot.append((self._timed(prompt, n) - self._timed(prompt, 1)) / (n - 1))
 
 
 def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
@@ -662,11 +687,6 @@ def main() -> None:
             row = rows[name]
             if "tpot_ms" not in row:
                 continue
-            try:
-                if name in KVFLOW:
-                    row["alone_ms"] = tpot_alone(name, args, *singles)
-            except Exception as e:
-                row["single_error"] = f"alone: {type(e).__name__}: {e}"[:300]
             kind = weight_kind(name, auto_kind)
             head = hf["vocab_size"] * hf["hidden_size"]
             # A greedy token on 12-bit panels or pair panels reads the LM head's int8
