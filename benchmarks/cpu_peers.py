@@ -43,13 +43,14 @@ Engines (--only, comma-separated; default all):
 
     python benchmarks/cpu_peers.py                         # everything (~40 min on 2 cores)
     python benchmarks/cpu_peers.py --only kvflow-auto,llamacpp-BF16,vllm-auto-allcores
-    export LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh avx2)
-    python benchmarks/cpu_peers.py --isa avx2 --only kvflow-auto,llamacpp-Q8_0,vllm-float32-allcores
+    LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh avx2) python benchmarks/cpu_peers.py \\
+        --isa avx2 --only kvflow-auto,llamacpp-Q8_0,vllm-float32-allcores
         # every engine as an AVX2-only CPU runs it: kvflow (oneDNN, MKL, torch at AVX2, its
         # kernels without AVX-512, its CPU-flag decisions from KVFLOW_CPU_FLAGS); vLLM (its
-        # AVX2 kernel library, oneDNN, MKL, torch and Inductor at AVX2: VLLM_SITECUSTOMIZE);
-        # llama.cpp as the build LLAMA_SERVER_DIR holds (llama_server_isa.sh: GGML_NATIVE off).
-        # --isa avx512: AVX-512 with VNNI, without BF16 (an Intel Xeon Cascade Lake).
+        # AVX2 kernel library, oneDNN, MKL, torch and Inductor's code at AVX2:
+        # VLLM_SITECUSTOMIZE); llama.cpp as the build LLAMA_SERVER_DIR holds
+        # (llama_server_isa.sh: GGML_NATIVE off). --isa avx512: AVX-512 with VNNI, without
+        # BF16, VBMI or IFMA (an Intel Xeon Cascade Lake).
 """
 from __future__ import annotations
 
@@ -109,10 +110,12 @@ ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
                                            "avx512vl avx512_vnni")}
 
 # vLLM as a CPU with only --isa's extensions: it picks its kernel library (_C_AVX2, _C_AVX512,
-# or _C for AVX512-BF16) and its attention code by torch.cpu's checks, which read CPUID. This
-# module, first on its PYTHONPATH, runs in each of its processes (workers too) and makes those
-# checks answer for the CPU named in KVFLOW_BENCH_CPU_HAS; the ISA_ENV variables but kvflow's
-# cap oneDNN, MKL, ATen and the code Inductor generates.
+# or _C for AVX512-BF16), its attention code and its AMX paths by torch.cpu's checks
+# (torch.cpu._is_avx512_supported() and the like, vLLM 0.32), which read CPUID. This module,
+# first on its PYTHONPATH, runs in each of its processes (workers too) and makes those checks
+# answer for the CPU named in KVFLOW_BENCH_CPU_HAS. The ISA_ENV variables but kvflow's cap
+# oneDNN, MKL and ATen (and Inductor's vector width); VLLM_MARCH is the -march Inductor
+# compiles its code with (else -march=native).
 VLLM_SITECUSTOMIZE = """
 import os
 _has = os.environ.get("KVFLOW_BENCH_CPU_HAS")
@@ -120,11 +123,11 @@ if _has is not None:
     import torch
     _has = set(_has.split())
     for _name in ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16"):
-        _check = (lambda answer: lambda: answer)(_name in _has)
-        setattr(torch._C._cpu, f"_is_{_name}_supported", _check)
-        setattr(torch.cpu, f"_is_{_name}_supported", _check)
+        setattr(torch.cpu, f"_is_{_name}_supported", (lambda answer: lambda: answer)(
+            _name in _has))
 """
 VLLM_CPU_HAS = {"avx2": "avx2", "avx512": "avx2 avx512 vnni"}
+VLLM_MARCH = {"avx2": "haswell", "avx512": "cascadelake"}
 
 VLLM_OFFLINE = """
 import json, sys, time
@@ -284,11 +287,13 @@ def vllm_env(name: str, args: argparse.Namespace) -> dict[str, str]:
         if key.startswith("KVFLOW_"):
             env.pop(key, None)
     if args.isa:                                     # vLLM as that CPU too (above)
-        site = os.path.join(tempfile.gettempdir(), f"kvflow-bench-vllm-as-{args.isa}")
+        site = os.path.join(os.path.expanduser("~/.cache/kvflow-bench"),
+                            f"vllm-as-{args.isa}")
         os.makedirs(site, exist_ok=True)
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(VLLM_SITECUSTOMIZE)
         env.update(KVFLOW_BENCH_CPU_HAS=VLLM_CPU_HAS[args.isa],
+                   TORCHINDUCTOR_CPP_MARCH=VLLM_MARCH[args.isa],
                    PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
     if name.endswith("-allcores"):
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
@@ -425,11 +430,11 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     and llama.cpp's servers are up at once and each request goes to all of them in turn, the
     order rotating by one each round (`--single-apart`: one server after the other), so that
     a drift in the machine's speed (a VM's neighbours, the clock) falls on every engine alike
-    and the ratios stay comparable; an idle kvflow or llama.cpp server waits in poll. Each
-    kvflow engine also runs each request in-process right after its server did ("alone_ms",
-    `Alone`), so that the difference is the server's cost, not the drift. vLLM's
+    and the ratios stay comparable; an idle kvflow or llama.cpp server waits in poll. vLLM's
     does not: its idle processes took 2.2-4.2 CPU ms a token from the engine being timed (2
-    cores, "idle servers" below), so vLLM's server always runs apart, after the others."""
+    cores, "idle servers" below), so vLLM's server always runs apart, after the others. Each
+    kvflow engine also runs each request in-process right after its server did ("alone_ms",
+    `Alone`), so that a drift in the machine's speed falls on both alike."""
     apart = [e for e in engines if args.single_apart or e.startswith("vllm")]
     together = [e for e in engines if e not in apart]
     if apart and len(engines) > 1:
@@ -489,7 +494,13 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                             idle = use.setdefault("idle servers", [0.0, 0.0])
                             idle[0] += idle_after - idle_before
                         if engine in alone:
-                            alone[engine].run(req.prompt, req.max_tokens)
+                            await asyncio.sleep(0.3)    # the server's threads may spin
+                            try:
+                                alone[engine].run(req.prompt, req.max_tokens)
+                            except Exception as e:    # the served figures stand without it
+                                print(f"{engine} in-process: {type(e).__name__}: {e}"[:300],
+                                      file=sys.stderr, flush=True)
+                                del alone[engine]
             return got
 
         got = asyncio.run(go()) if urls else {}
@@ -510,8 +521,9 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
 
 
 class Alone:
-    """A kvflow engine in this process (`LLM(in_process=True)`, no server, no prefix cache):
-    each `run` appends a request's TPOT (s), (time for n tokens - time for 1) / (n - 1)."""
+    """A kvflow engine in this process (`LLM(in_process=True)`: no server, no prefix cache,
+    and no async scheduling, which needs a worker process): each `run` appends a request's
+    TPOT (s), (time for n tokens - time for 1) / (n - 1)."""
 
     def __init__(self, engine: str, args: argparse.Namespace) -> None:
         self.engine, self.args = engine, args
@@ -519,13 +531,19 @@ class Alone:
 
     def __enter__(self) -> Alone:
         from kvflow import LLM
+        self.threads = torch.get_num_threads()          # the worker sets its own
         self.llm = LLM(self.args.model, in_process=True, enable_prefix_caching=False,
-                       **KVFLOW[self.engine])                         # type: ignore[arg-type]
-        self._timed([1, 2, 3], 8)                                     # warm-up
+                       kv_cache_memory_gb=0.25, **KVFLOW[self.engine])  # type: ignore[arg-type]
+        try:
+            self._timed([1, 2, 3], 8)                                 # warm-up
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.llm.__exit__(*exc)
+        self.llm.shutdown()
+        torch.set_num_threads(self.threads)
 
     def _timed(self, prompt: list[int], n: int) -> float:
         from kvflow import SamplingParams
@@ -617,9 +635,14 @@ def main() -> None:
     from kvflow.workers.hardware import resolve_dtype
     print(serve_bench.cpu_info() + (f"; kvflow and vLLM run as an {args.isa} CPU" if args.isa
                                     else ""))
-    if args.isa and "LLAMA_SERVER_DIR" not in os.environ:
-        print(f"note: llama.cpp runs its native build (LLAMA_SERVER_DIR=$(bash "
-              f"benchmarks/llama_server_isa.sh {args.isa}) for an {args.isa} one)")
+    if args.isa:
+        marker = os.path.join(os.environ.get("LLAMA_SERVER_DIR", "~/.cache/kvflow-bench/"
+                                             "llama.cpp"), "isa")
+        built = open(os.path.expanduser(marker)).read().strip() if os.path.exists(
+            os.path.expanduser(marker)) else "native"
+        if built != args.isa:
+            print(f"note: llama.cpp runs a build for {built}, not {args.isa} "
+                  f"(LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh {args.isa}))")
     auto = resolve_dtype("auto", torch.device("cpu"), {})
     auto_kind = "bfloat16" if auto.dtype == torch.bfloat16 else "float32"
     print(f"kvflow dtype=auto here: {auto_kind} ({auto.reason})")

@@ -24,9 +24,14 @@ case "$isa" in
   *) echo "usage: $0 [avx2|avx512]" >&2; exit 2 ;;
 esac
 here=$(cd "$(dirname "$0")" && pwd)
-native=$(bash "$here/../../shared/tools/llama-server.sh")      # the GGUFs (and the version)
+# The native build and the GGUFs, in their own folder whatever LLAMA_SERVER_DIR says (that
+# script works in $LLAMA_SERVER_DIR, and would rebuild a native llama-server over this one).
+native=$(env -u LLAMA_SERVER_DIR bash "$here/../../shared/tools/llama-server.sh")
 default_dir=$HOME/.cache/kvflow-bench/llama.cpp-$isa
 if [ "$isa" = avx2 ]; then DIR=${LLAMA_SERVER_AVX2_DIR:-$default_dir}; else DIR=$default_dir; fi
+if [ "$(realpath -m "$DIR")" = "$(realpath -m "$native")" ]; then
+  echo "the $isa build must not share the native build's folder ($DIR)" >&2; exit 2
+fi
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR"
@@ -42,6 +47,7 @@ if [ ! -x "$DIR/llama-server" ]; then
         -DBUILD_SHARED_LIBS=OFF >&2
   cmake --build "$work/build" -j "$(nproc)" --target llama-server >&2
   cp "$work/build/bin/llama-server" "$DIR/"
+  echo "$isa" > "$DIR/isa"                   # cpu_peers.py --isa checks it
 fi
 for f in "$native"/*.gguf; do ln -sf "$f" "$DIR/"; done
 echo "$DIR"
