@@ -97,9 +97,14 @@ def _cpu_id() -> str:
 # Builds for less than this CPU has, so that every machine can test (and time) the code that
 # CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those (and
 # minus AMX, which no such CPU has; the AVX2 build also minus AVX-VNNI, which AVX2-only
-# servers such as AMD's before Zen 4 lack).
+# servers such as AMD's before Zen 4 lack). The AVX-512 build is a Cascade Lake Xeon's:
+# F, CD, BW, DQ, VL and VNNI, none of the later AVX-512 extensions (GCC may use them in code
+# it vectorizes itself).
 _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
-ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512bf16", *_NO_AMX),
+ISA_FLAGS = {"native": (),
+             "avx512": ("-mno-avx512bf16", "-mno-avx512vbmi", "-mno-avx512vbmi2",
+                        "-mno-avx512ifma", "-mno-avx512bitalg", "-mno-avx512vpopcntdq",
+                        "-mno-avx512vp2intersect", "-mno-avx512fp16", "-mno-avxvnni", *_NO_AMX),
              "avx2": ("-mno-avx512f", "-mno-avxvnni", *_NO_AMX)}
 
 
