@@ -114,7 +114,7 @@ class GemvLinear(LinearMethod):
     weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two
     rows and more keep the bfloat16 panels, where the decoding costs more than the bytes it
     saves. The copy adds 0.76x the bfloat16 panels' memory (the engine passes
-    pack_panels12 on CPUs without AVX-512: layers/ops.py one_row_panels12).
+    pack_panels12 unless a test forces it off: layers/ops.py use_panels12).
 
     With `pack_pairs` (bfloat16 arithmetic on CPUs with AVX512-BF16 but no AMX), the
     kernel's copy is held in pair panels instead of row-major (cpu_ops.pack_pairs: bfloat16

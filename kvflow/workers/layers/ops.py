@@ -83,29 +83,25 @@ GEMV_MAX_ROWS_PANELS = 64
 FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
 # One-row products from a second copy of the bfloat16 panels in 12 bits a weight
-# (cpu_ops.pack_panels12, lossless, 0.76x the bytes) on CPUs without AVX-512
-# (one_row_panels12).
-# None: decided by the CPU; True or False: forced (tests).
+# (cpu_ops.pack_panels12, lossless, 0.76x the bytes), wherever there are bfloat16 panels
+# (float32 arithmetic on bfloat16 weights: CPUs without AVX512-BF16 or AMX).
+# None: made; True or False: forced (tests).
 ONE_ROW_PANELS12: bool | None = None
 
 
-def one_row_panels12(flags: frozenset[str]) -> bool:
-    """Whether one-row products read the 12-bit copy: on CPUs without AVX-512, where it was
-    measured to pay. As an AVX2 CPU on a Xeon (Cascade Lake), one request's TPOT in-process
-    14.1-14.3 -> 11.8-12.3 ms; natively on an AVX2 AMD EPYC (Zen 3), 5 alternating pairs,
-    medians 16.6 -> 15.3 ms (4 of 5 pairs faster; the decoding there is near the limit: one
-    row through the 3072 x 576 gate_up alone streams at 0.9-1.2x the bfloat16 panels' speed,
-    the other shapes at 1.0-1.65x, 3 runs of benchmarks/cpu_kernels.py --gemv --rows 1
-    --huge-pages), and the 32-request offline workload through the multi-process engine
-    unchanged (117.7/123.4/127.3 -> 118.7/123.5/134.4 output tok/s, alternating). Not with
-    AVX-512: there that workload measured ~10% slower with the copies held (AVX-512 without
-    BF16 on the Xeon, 7 and 8 alternating runs, noisy; cause not found), and with AVX512-BF16
-    the weights are not bfloat16 panels under float32 arithmetic anyway."""
-    return "avx512f" not in flags
-
-
 def use_panels12() -> bool:
-    return one_row_panels12(cpu_flags()) if ONE_ROW_PANELS12 is None else ONE_ROW_PANELS12
+    """Whether one-row products read the 12-bit copy of the bfloat16 panels. As an AVX2 CPU
+    on a Xeon, one request's TPOT in-process 14.1-14.3 -> 11.8-12.3 ms; natively on an AVX2
+    AMD EPYC (Zen 3), 5 alternating pairs, medians 16.6 -> 15.3 ms; the 32-request offline
+    workload through the multi-process engine unchanged (117.7/123.4/127.3 ->
+    118.7/123.5/134.4 output tok/s, alternating). As an AVX-512 CPU without BF16 (Cascade
+    Lake; an AMD EPYC Zen 5 with kvflow's AVX-512 build and flags, 4 alternating pairs) one
+    request's TPOT in-process 5.88 -> 4.71 ms (medians), the 32-request workload in-process
+    459 -> 469 tok/s and through the multi-process engine 444/446/463 -> 442/452/451 (3
+    alternating pairs). An earlier run on a Xeon as such a CPU had measured that workload
+    ~10% slower with the copies held (noisy, in-process no difference, cause not found), and
+    the copy was made on CPUs without AVX-512 only until the Zen 5 runs above."""
+    return True if ONE_ROW_PANELS12 is None else ONE_ROW_PANELS12
 
 
 # The same for the pair panels (bfloat16 arithmetic on AVX512-BF16 CPUs without AMX): products
