@@ -23,8 +23,9 @@ of its floor.
   copy of the LM head) over this machine's read bandwidth (a sum over 1 GiB, more than any
   cache here; the mean of a reading before and one after the server runs).
   Where the time goes: kvflow's engines also run each request in-process right after their
-  server did ("alone": `LLM(in_process=True)`, no prefix cache, TPOT = (time for n tokens -
-  time for 1) / (n - 1); paired, so the difference is the server's cost, not the drift),
+  server did ("alone": `LLM(in_process=True)`, no prefix cache and no async scheduling, TPOT
+  = (time for n tokens - time for 1) / (n - 1); paired, so the machine's drift falls on
+  both alike),
   and for every server the CPU time each of its processes, and the client, spent per output
   token, with their context switches: on a machine with few cores, the server's and the
   client's work between tokens is taken from the threads that compute them; and the CPU
