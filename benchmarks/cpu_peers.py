@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import psutil
@@ -211,11 +211,12 @@ def workload_flops(hf: dict, prompts: list[list[int]], outputs: list[int]) -> fl
 
 
 def roofline_seconds(hf: dict, prompts: list[list[int]], outputs: list[int], gflops: float,
-                     weight_bytes: float, kv_bytes: float, bandwidth: float) -> float:
+                     weight_bytes: Callable[[int], float], kv_bytes: float,
+                     bandwidth: float) -> float:
     """The batch's time on a roofline: the prompts' FLOPs at the matmul speed, then each
     decode step (all requests in flight, each leaving when its output is done) at the slower
-    of its FLOPs over that speed and its bytes over the read bandwidth: every weight once,
-    plus the K/V of every running request's context. At 32 requests a decode step reads more
+    of its FLOPs over that speed and its bytes over the read bandwidth: every weight once
+    (weight_bytes(rows) bytes each), plus the K/V of every running request's context. At 32 requests a decode step reads more
     than it computes, so the compute floor alone is far below anything reachable (kvflow and
     vLLM both reached ~13% of bfloat16's)."""
     params, attention = model_params(hf)
@@ -228,7 +229,7 @@ def roofline_seconds(hf: dict, prompts: list[list[int]], outputs: list[int], gfl
     for step in range(1, max(outputs)):
         running = [len(p) + step for p, n in zip(prompts, outputs) if n > step]
         flops = 2 * params * len(running) + attention * sum(running)
-        nbytes = params * weight_bytes + kv_per_token * sum(running)
+        nbytes = params * weight_bytes(len(running)) + kv_per_token * sum(running)
         seconds += max(flops / peak, nbytes / read)
     return seconds
 
@@ -446,6 +447,7 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
     rows: dict[str, dict[str, Any]] = {}
     alone: dict[str, Alone] = {}
+    alone_errors: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
         procs: dict[str, list[psutil.Process]] = {}
@@ -462,8 +464,7 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                 try:
                     alone[engine] = stack.enter_context(Alone(engine, args))
                 except Exception as e:    # the served figures stand without it
-                    print(f"{engine} in-process: {type(e).__name__}: {e}"[:300],
-                          file=sys.stderr, flush=True)
+                    alone_errors[engine] = f"{type(e).__name__}: {e}"[:300]
 
         async def go() -> dict[str, tuple[list[Any], dict[str, list[float]]]]:
             got: dict[str, tuple[list[Any], dict[str, list[float]]]] = {
@@ -499,8 +500,7 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
                             try:
                                 alone[engine].run(req.prompt, req.max_tokens)
                             except Exception as e:    # the served figures stand without it
-                                print(f"{engine} in-process: {type(e).__name__}: {e}"[:300],
-                                      file=sys.stderr, flush=True)
+                                alone_errors[engine] = f"{type(e).__name__}: {e}"[:300]
                                 del alone[engine]
             return got
 
@@ -518,6 +518,8 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
             "switches_per_token": {k: round(v[1] / tokens, 2) for k, v in use.items()}}
         if engine in alone and alone[engine].tpot:
             rows[engine]["alone_ms"] = 1e3 * serve_bench.pct(alone[engine].tpot, 50)
+        if engine in alone_errors:
+            rows[engine]["alone_error"] = alone_errors[engine]
     return rows
 
 
@@ -533,9 +535,10 @@ class Alone:
     def __enter__(self) -> Alone:
         from kvflow import LLM
         self.threads = torch.get_num_threads()          # the worker sets its own
-        self.llm = LLM(self.args.model, in_process=True, enable_prefix_caching=False,
-                       kv_cache_memory_gb=0.25, **KVFLOW[self.engine])  # type: ignore[arg-type]
+        self.llm: Any = None
         try:
+            self.llm = LLM(self.args.model, in_process=True, enable_prefix_caching=False,
+                           kv_cache_memory_gb=0.25, **KVFLOW[self.engine])  # type: ignore[arg-type]
             self._timed([1, 2, 3], 8)                                 # warm-up
         except BaseException:
             self.__exit__()
@@ -543,7 +546,8 @@ class Alone:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
         torch.set_num_threads(self.threads)
 
     def _timed(self, prompt: list[int], n: int) -> float:
@@ -567,6 +571,17 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
         return run_vllm_offline(engine, args, prompts, outputs)
     with running(engine, args) as url:
         return asyncio.run(_all_at_once(url, prompts, outputs))
+
+
+def step_weight_bytes(kind: str) -> Callable[[int], float]:
+    """Bytes a weight a decode step of so many rows reads: kvflow's 12-bit copies serve only
+    steps of one row (panels12) or of up to cpu_ops.pairs12_rows() rows (pairs12); the
+    larger ones read the bfloat16 panels or pair panels."""
+    if kind not in ("panels12", "pairs12"):
+        return lambda rows: WEIGHT_BYTES[kind]
+    from kvflow.kernels import cpu_ops
+    few = 1 if kind == "panels12" else cpu_ops.pairs12_rows()
+    return lambda rows: WEIGHT_BYTES[kind] if rows <= few else WEIGHT_BYTES["bfloat16"]
 
 
 def weight_kind(engine: str, auto_kind: str) -> str:
@@ -637,10 +652,12 @@ def main() -> None:
     print(serve_bench.cpu_info() + (f"; kvflow and vLLM run as an {args.isa} CPU" if args.isa
                                     else ""))
     if args.isa:
-        marker = os.path.join(os.environ.get("LLAMA_SERVER_DIR", "~/.cache/kvflow-bench/"
-                                             "llama.cpp"), "isa")
-        built = open(os.path.expanduser(marker)).read().strip() if os.path.exists(
-            os.path.expanduser(marker)) else "native"
+        folder = os.path.expanduser(os.environ.get("LLAMA_SERVER_DIR",
+                                                   "~/.cache/kvflow-bench/llama.cpp"))
+        marker = os.path.join(folder, "isa")       # llama_server_isa.sh writes it
+        built = (open(marker).read().strip() if os.path.exists(marker) else
+                 "this CPU (native)" if "LLAMA_SERVER_DIR" not in os.environ else
+                 "an unknown ISA (no isa marker)")
         if built != args.isa:
             print(f"note: llama.cpp runs a build for {built}, not {args.isa} "
                   f"(LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh {args.isa}))")
@@ -689,7 +706,7 @@ def main() -> None:
                     kv_bytes = (34 / 32 if name.startswith("llamacpp")
                                 else (head_dim + 4) / head_dim)
                 row["roofline_share"] = roofline_seconds(
-                    hf, prompts, outputs, floors[FLOOR_KIND[name]], WEIGHT_BYTES[kind],
+                    hf, prompts, outputs, floors[FLOOR_KIND[name]], step_weight_bytes(kind),
                     kv_bytes, row["read_gbs"]) / elapsed
             except Exception as e:      # a peer that fails must not lose the other rows
                 row["offline_error"] = f"{type(e).__name__}: {e}"[:300]

@@ -232,19 +232,22 @@ def test_steps_of_up_to_32_tokens_run_fused_where_the_gemv_kernel_takes_them(
     assert float(rel.max()) < 0.03, rel
 
 
-@pytest.mark.parametrize("flags", ["sse4_2 avx avx2 fma f16c bmi2",
-                                   "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl "
-                                   "avx512_vnni"], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("isa, flags", [
+    ("avx2", "sse4_2 avx avx2 fma f16c bmi2"),
+    ("avx512", "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni")],
+    ids=["avx2", "avx512"])
 def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
-        default_model: str, monkeypatch: pytest.MonkeyPatch, flags: str) -> None:
-    """dtype="auto" on an AVX2 CPU and on an AVX-512 CPU without BF16 (flags faked), as it
-    runs by default there: every paneled weight has its 12-bit copy, which one-row products
-    read (a request alone: fused steps and the unfused LM head); the greedy tokens and
-    logprobs are those of the same engine without the copies (ONE_ROW_PANELS12 forced off),
-    bit for bit."""
+        default_model: str, monkeypatch: pytest.MonkeyPatch, isa: str, flags: str) -> None:
+    """dtype="auto" on an AVX2 CPU and on an AVX-512 CPU without BF16 (kvflow's kernels built
+    for it, its flags faked), as it runs by default there: every paneled weight has its
+    12-bit copy, which one-row products read (a request alone: fused steps and the unfused
+    LM head); the greedy tokens and logprobs are those of the same engine without the copies
+    (ONE_ROW_PANELS12 forced off), bit for bit."""
+    from kvflow.kernels import cpu_ops
     from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvWeight
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
+    monkeypatch.setattr(cpu_ops, "_state", {"lib": cpu_ops.load_isa(isa)})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = []
     for copies in (True, False):

@@ -98,13 +98,15 @@ def _cpu_id() -> str:
 # CPUs without AVX512-BF16, or without AVX-512 at all, run: -march=native minus those (and
 # minus AMX, which no such CPU has; the AVX2 build also minus AVX-VNNI, which AVX2-only
 # servers such as AMD's before Zen 4 lack). The AVX-512 build is a Cascade Lake Xeon's:
-# F, CD, BW, DQ, VL and VNNI, none of the later AVX-512 extensions (GCC may use them in code
-# it vectorizes itself).
+# AVX-512 F, CD, BW, DQ, VL and VNNI, without the later AVX-512 extensions, GFNI, VAES or
+# VPCLMULQDQ (GCC may use them in code it vectorizes itself; AVX512-FP16 is left to
+# -march=native, as the GCC 11 these builds need does not know it).
 _NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 ISA_FLAGS = {"native": (),
              "avx512": ("-mno-avx512bf16", "-mno-avx512vbmi", "-mno-avx512vbmi2",
                         "-mno-avx512ifma", "-mno-avx512bitalg", "-mno-avx512vpopcntdq",
-                        "-mno-avx512vp2intersect", "-mno-avx512fp16", "-mno-avxvnni", *_NO_AMX),
+                        "-mno-avx512vp2intersect", "-mno-gfni", "-mno-vaes", "-mno-vpclmulqdq",
+                        "-mno-avxvnni", *_NO_AMX),
              "avx2": ("-mno-avx512f", "-mno-avxvnni", *_NO_AMX)}
 
 
