@@ -216,9 +216,9 @@ def roofline_seconds(hf: dict, prompts: list[list[int]], outputs: list[int], gfl
     """The batch's time on a roofline: the prompts' FLOPs at the matmul speed, then each
     decode step (all requests in flight, each leaving when its output is done) at the slower
     of its FLOPs over that speed and its bytes over the read bandwidth: every weight once
-    (weight_bytes(rows) bytes each), plus the K/V of every running request's context. At 32 requests a decode step reads more
-    than it computes, so the compute floor alone is far below anything reachable (kvflow and
-    vLLM both reached ~13% of bfloat16's)."""
+    (weight_bytes(rows) bytes each), plus the K/V of every running request's context. At 32
+    requests a decode step reads more than it computes, so the compute floor alone is far
+    below anything reachable (kvflow and vLLM both reached ~13% of bfloat16's)."""
     params, attention = model_params(hf)
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads", heads)
