@@ -115,8 +115,8 @@ ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
 # (torch.cpu._is_avx512_supported() and the like, vLLM 0.32), which read CPUID. This module,
 # first on its PYTHONPATH, runs in each of its processes (workers too) and makes those checks
 # answer for the CPU named in KVFLOW_BENCH_CPU_HAS. The ISA_ENV variables but kvflow's cap
-# oneDNN, MKL and ATen (and Inductor's vector width); VLLM_MARCH is the -march Inductor
-# compiles its code with (else -march=native).
+# oneDNN, MKL and ATen (and Inductor's vector width); TORCHINDUCTOR_CPP_MARCH is the -march
+# Inductor compiles its code with (else -march=native).
 VLLM_SITECUSTOMIZE = """
 import os
 _has = os.environ.get("KVFLOW_BENCH_CPU_HAS")
@@ -127,8 +127,9 @@ if _has is not None:
         setattr(torch.cpu, f"_is_{_name}_supported", (lambda answer: lambda: answer)(
             _name in _has))
 """
-VLLM_CPU_HAS = {"avx2": "avx2", "avx512": "avx2 avx512 vnni"}
-VLLM_MARCH = {"avx2": "haswell", "avx512": "cascadelake"}
+VLLM_ISA_ENV = {"avx2": dict(KVFLOW_BENCH_CPU_HAS="avx2", TORCHINDUCTOR_CPP_MARCH="haswell"),
+                "avx512": dict(KVFLOW_BENCH_CPU_HAS="avx2 avx512 vnni",
+                               TORCHINDUCTOR_CPP_MARCH="cascadelake")}
 
 VLLM_OFFLINE = """
 import json, sys, time
@@ -294,8 +295,7 @@ def vllm_env(name: str, args: argparse.Namespace) -> dict[str, str]:
         os.makedirs(site, exist_ok=True)
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(VLLM_SITECUSTOMIZE)
-        env.update(KVFLOW_BENCH_CPU_HAS=VLLM_CPU_HAS[args.isa],
-                   TORCHINDUCTOR_CPP_MARCH=VLLM_MARCH[args.isa],
+        env.update(VLLM_ISA_ENV[args.isa],
                    PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
     if name.endswith("-allcores"):
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
