@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
+PREFILL_COPY = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -110,6 +111,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"           # "auto" -> cuda:rank when CUDA is available, else cpu
     enforce_eager: bool = False    # True: no CUDA graphs for decode steps
     quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
+    # CPU: oneDNN's own copy of the weights the gemv kernel holds in panels, for prompt-sized
+    # products: "auto" (while it takes at most an eighth of the RAM available), "on", "off"
+    # (layers/ops.py prefill_copy)
+    cpu_prefill_copy: str = "auto"
     # Self-healing (kvflow/frontend/supervisor.py): a step unfinished after step_timeout
     # (+ a share scaled by its tokens) is a hung worker; EngineCore silent that long is hung;
     # the frontend restarts a dead or hung engine up to max_engine_restarts times in
@@ -170,15 +175,19 @@ def _check_dtype(dtype: str) -> str:
     return dtype
 
 
-def auto_kv_cache_gb() -> float:
-    """A safe share of the RAM available now: 10%, at most 2 GiB, at least 0.25 GiB."""
+def available_memory_bytes() -> int:
+    """The RAM available now (Linux's MemAvailable), or 4 GiB where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+        return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        available_gb = 4.0
-    return max(0.25, min(2.0, 0.1 * available_gb))
+        return 4 << 30
+
+
+def auto_kv_cache_gb() -> float:
+    """A safe share of the RAM available now: 10%, at most 2 GiB, at least 0.25 GiB."""
+    return max(0.25, min(2.0, 0.1 * available_memory_bytes() / 2**30))
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -207,6 +216,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     quantization: str | None = None       # "int8": W8A8 linears, CPU only
+    cpu_prefill_copy: str = "auto"        # or "on", "off": oneDNN's copy for prompts (CPU)
     nnodes: int = 1                       # multi-node tensor parallelism (docs/deploy.md)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -261,6 +271,9 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError(f"kv_cache_dtype='int8' needs the cpu attention backend (kvflow's C "
                          f"kernels on CPU); got device={o.device!r}, attention_backend="
                          f"{o.attention_backend!r}")
+    if o.cpu_prefill_copy not in PREFILL_COPY:
+        raise ValueError(f"cpu_prefill_copy={o.cpu_prefill_copy!r} must be one of "
+                         f"{PREFILL_COPY}")
     if o.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")
     if o.quantization == "int8" and o.device == "cuda":
@@ -308,6 +321,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=o.num_threads,
         device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
+        cpu_prefill_copy=o.cpu_prefill_copy,
         step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
         grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)
 

@@ -649,27 +649,34 @@ def test_gemv_pair_layout_matches_torch(kernels: str, m: int, n: int, k: int) ->
 
 def test_gemv_linear_holds_bfloat16_pair_panels(kernels: str) -> None:
     """GemvLinear with pack_pairs (bfloat16 arithmetic without AMX): where the build has
-    AVX512-BF16, a weight whose outputs fill whole panels is held in pair panels beside
-    oneDNN's copy (others row-major) and products of up to pair_rows rows read it; every
-    row count (pairs, the row-major kernel, oneDNN above) gives the product."""
-    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
-                                              gemv_operands)
+    AVX512-BF16, a weight whose outputs fill whole panels is held in pair panels alone (no
+    copy for oneDNN: the panels take every row count, prefill-sized too); others are
+    row-major beside oneDNN's copy. Every row count gives the product, and a row's result
+    does not depend on the batch it is in on the panels."""
+    from kvflow.workers.layers.linear import (EVERY_ROW, GemvLinear, LinearMethod,
+                                              OneDnnLinear, gemv_operands)
     inner = OneDnnLinear() if OneDnnLinear.works(torch.bfloat16) else LinearMethod()
-    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64)
+    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs)
     for n, k in [(96, 64), (40, 64)]:                   # 40 outputs: not a whole panel
         w = torch.randn(n, k).bfloat16()
         prepared = method.prepare(w)
-        paired = _pairs_here(kernels) and n % 32 == 0 and prepared.packed is not None
+        paired = _pairs_here(kernels) and n % 32 == 0
         assert (prepared.layout == "pairs") == paired
         if paired:                                      # the fused path reads the same copy
             assert gemv_operands(prepared).weight is prepared.plain
             assert not torch.equal(prepared.plain, w)   # packed, not row-major
-        assert method.gemv_rows(prepared) == (64 if paired else 4)
-        for m in (1, 7, 33, 64, 65):
+            assert prepared.packed is None
+        else:
+            assert (prepared.packed is not None) == isinstance(inner, OneDnnLinear)
+        assert method.gemv_rows(prepared) == (EVERY_ROW if paired else 4)
+        for m in (1, 7, 33, 64, 65, 300):
             x = torch.randn(m, k).bfloat16()
             ref = x.double() @ w.double().T
-            torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
+            got = method.apply(x, w, prepared)
+            torch.testing.assert_close(got.double(), ref,
                                        atol=4e-3 * float(ref.abs().max()), rtol=8e-3)
+            if paired:
+                assert torch.equal(got[-1:], method.apply(x[-1:], w, prepared))
 
 
 def _whole_groups(packed: torch.Tensor) -> int:
@@ -820,26 +827,55 @@ def test_gemv_int8_panels_worst_case_sums(kernels: str) -> None:
 def test_gemv_linear_streams_bfloat16_panels_under_float32(kernels: str) -> None:
     """GemvLinear under float32 weights with a bfloat16 stream and pack_panels (dtype="auto"
     without bfloat16 arithmetic): a weight whose outputs fill whole panels is held in panels
-    beside oneDNN's float32 copy, others row-major; every row count (panels up to their
-    limit, the row-major kernel up to max_rows, oneDNN above) gives the product of the
-    bfloat16-valued weight."""
-    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
-                                              gemv_operands)
+    alone (no float32 copy for oneDNN: the panels take every row count, prefill-sized too);
+    others row-major beside oneDNN's float32 copy. Every row count (the row-major kernel up
+    to max_rows, oneDNN above) gives the product of the bfloat16-valued weight, and a row's
+    result on the panels does not depend on its batch."""
+    from kvflow.workers.layers.linear import (EVERY_ROW, GemvLinear, LinearMethod,
+                                              OneDnnLinear, gemv_operands)
     inner = OneDnnLinear() if OneDnnLinear.works(torch.float32) else LinearMethod()
-    method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
-                        64)
+    method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels)
     for n, k in [(96, 64), (40, 64)]:                   # 40 outputs: not a whole panel
         w = torch.randn(n, k).bfloat16().float()        # bfloat16 values, as loaded
         prepared = method.prepare(w)
-        paneled = n % 32 == 0 and prepared.packed is not None
+        paneled = n % 32 == 0
         assert (prepared.layout == "panels") == paneled
         assert gemv_operands(prepared).layout == prepared.layout
-        assert method.gemv_rows(prepared) == (64 if paneled else 32)
-        for m in (1, 7, 33, 64, 65):
+        assert (prepared.packed is None) == (paneled or not isinstance(inner, OneDnnLinear))
+        assert method.gemv_rows(prepared) == (EVERY_ROW if paneled else 32)
+        for m in (1, 7, 33, 64, 65, 300):
             x = torch.randn(m, k)
             ref = x.double() @ w.double().T
-            torch.testing.assert_close(method.apply(x, w, prepared).double(), ref,
+            got = method.apply(x, w, prepared)
+            torch.testing.assert_close(got.double(), ref,
                                        atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+            if paneled:
+                assert torch.equal(got[-1:], method.apply(x[-1:], w, prepared))
+
+
+@pytest.mark.parametrize("layout", ["panels", "pairs"])
+def test_gemv_many_rows_in_blocks(kernels: str, layout: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_ops.gemv multiplies a prefill's rows in blocks of GEMV_BLOCK_BYTES of x (so x
+    stays in the caches): the same bits as one call, blocks of every size and a last short
+    one, the bias and the output dtype kept; x a strided view."""
+    w = torch.randn(64, 48).bfloat16()
+    packed = cpu_ops.pack_panels(w) if layout == "panels" else cpu_ops.pack_pairs(w)
+    if packed is None:                     # a build without AVX512-BF16 holds no pair panels
+        assert layout == "pairs" and not _pairs_here(kernels)
+        return
+    x = torch.randn(150, 96)[:, ::2]
+    x = x if layout == "panels" else x.bfloat16()
+    bias = torch.randn(64)
+    whole = cpu_ops.gemv(x, packed, None, bias, layout=layout)
+    for rows in (1, 7, 64):
+        monkeypatch.setattr(cpu_ops, "GEMV_BLOCK_MIN_ROWS", rows)
+        monkeypatch.setattr(cpu_ops, "GEMV_BLOCK_BYTES", 1)
+        got = cpu_ops.gemv(x, packed, None, bias, layout=layout)
+        assert got.dtype == x.dtype and torch.equal(got, whole)
+    ref = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(whole.double(), ref, atol=1e-2 * float(ref.abs().max()),
+                               rtol=1e-2)
 
 
 def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
@@ -849,14 +885,13 @@ def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
     from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
                                               gemv_operands)
     inner = OneDnnLinear() if OneDnnLinear.works(torch.float32) else LinearMethod()
-    plain = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
-                       64)
+    plain = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels)
     method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
-                        64, cpu_ops.pack_panels12)
+                        cpu_ops.pack_panels12)
     assert "12-bit" in method.name and "12-bit" not in plain.name
     w = torch.randn(96, 64).bfloat16().float()
     prepared, reference = method.prepare(w), plain.prepare(w)
-    if prepared.layout != "panels":                     # no oneDNN: nothing is paneled
+    if prepared.layout != "panels":                     # a build without vectors
         assert prepared.one_row is None
         return
     assert prepared.one_row is not None and reference.one_row is None
@@ -879,15 +914,15 @@ def test_gemv_linear_reads_12_bit_pair_panels_for_one_row(kernels: str) -> None:
     from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
                                               gemv_operands)
     inner = OneDnnLinear() if OneDnnLinear.works(torch.bfloat16) else LinearMethod()
-    plain = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64)
-    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs, pair_rows=64,
+    plain = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs)
+    method = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs,
                         pack_pairs12=cpu_ops.pack_pairs12)
     assert "12-bit" in method.name and "12-bit" not in plain.name
     w = torch.randn(96, 64).bfloat16()
     prepared, reference = method.prepare(w), plain.prepare(w)
-    if prepared.layout != "pairs":                 # no AVX512-BF16 in this build, or no oneDNN
+    if prepared.layout != "pairs":                 # no AVX512-BF16 in this build
         assert prepared.one_row is None
-        assert not _pairs_here(kernels) or not OneDnnLinear.works(torch.bfloat16)
+        assert not _pairs_here(kernels)
         return
     assert prepared.one_row is not None and reference.one_row is None
     assert gemv_operands(prepared).one_row is prepared.one_row

@@ -202,25 +202,27 @@ def test_steps_of_up_to_32_tokens_run_fused_where_the_gemv_kernel_takes_them(
         default_model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps of up to 32 tokens run fused where every linear runs 32 rows on the gemv
     kernel in the model's forward too (8 elsewhere): bfloat16 on a CPU with AMX (the weights
-    in AMX tiles) or with AVX512-BF16 (in pair panels, up to 64 rows), and bfloat16 weights
-    under float32 (dtype="auto" on an AVX2 CPU, flags faked); not float32. A 20-request
-    decode step through both paths agrees to bfloat16's rounding."""
+    in AMX tiles) or with AVX512-BF16 (in pair panels), and bfloat16 weights under float32
+    (in panels; dtype="auto" on an AVX2 CPU, flags faked); not float32. The panels take up
+    to 64 rows beside oneDNN's copy (cpu_prefill_copy="on"), every row count without it. A
+    20-request decode step through both paths agrees to bfloat16's rounding."""
     from kvflow.kernels import cpu_ops
     from kvflow.workers.fused_decode import FusedDecode
-    from kvflow.workers.layers.linear import OneDnnLinear
+    from kvflow.workers.layers.linear import EVERY_ROW, OneDnnLinear
     if mode == "auto as AVX2":
         monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     amx = cpu_ops.gemv_amx_rows() > 0
     pairs = not amx and cpu_ops.pack_pairs(torch.zeros(32, 2, dtype=torch.bfloat16)) is not None
-    wide = {"bfloat16": (amx or pairs) and OneDnnLinear.works(torch.bfloat16),
+    wide = {"bfloat16": amx and OneDnnLinear.works(torch.bfloat16) or pairs,
             "auto as AVX2": True, "float32": False}[mode]
     dtype = "auto" if mode == "auto as AVX2" else mode
-    with LLM(default_model, in_process=True, dtype=dtype, kv_cache_memory_gb=0.2) as llm:
+    with LLM(default_model, in_process=True, dtype=dtype, kv_cache_memory_gb=0.2,
+             cpu_prefill_copy="on") as llm:
         run = runner(llm)
         assert run.fused is not None
-        # bfloat16 weights under float32 are in panels there, taken up to 64 rows, as the
-        # pair panels are
-        rows = 64 if mode == "auto as AVX2" or (mode == "bfloat16" and pairs) else 32
+        paneled = mode == "auto as AVX2" or (mode == "bfloat16" and pairs)
+        copied = OneDnnLinear.works(torch.float32 if mode == "auto as AVX2" else torch.bfloat16)
+        rows = (64 if copied else EVERY_ROW) if paneled else 32
         assert FusedDecode.gemv_rows(run.model) == (rows if wide else 4)
         assert run.fused.max_tokens == (32 if wide else 8)
         assert run.fused.fits(20) == wide

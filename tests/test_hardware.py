@@ -60,31 +60,69 @@ def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """As a CPU without AVX512-BF16 or AMX: float32 activations, weight matrices rounded to
     bfloat16's values and a bfloat16 KV cache; the gemv kernel (and so the fused decode step)
-    reads a bfloat16 copy of the weights and oneDNN a float32 one of the same values.
-    dtype="float32" keeps the weights as loaded and a float32 KV cache."""
+    holds a bfloat16 copy of the weights in panels. With cpu_prefill_copy="off" the panels
+    take every row count and oneDNN keeps no float32 copy; "auto" keeps one for the default
+    model (a small share of the RAM), taking products of more than 64 rows, with the same
+    values. dtype="float32" keeps the weights as loaded and a float32 KV cache."""
+    from kvflow.workers.layers.linear import EVERY_ROW
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
-    worker = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu"))
+    config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
+                                             device="cpu", **kw)
+    worker = Worker(config(cpu_prefill_copy="off"))
     assert (worker.dtype, worker.weight_dtype) == (torch.float32, torch.bfloat16)
     assert worker.kv_cache.tensor.dtype == worker.backend.kv_dtype == torch.bfloat16
     table = worker.model.model.embed_tokens.weight
     assert table.dtype == torch.float32 and torch.equal(table, table.bfloat16().float())
     qkv = worker.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.prepared.plain.dtype == torch.bfloat16 and qkv.prepared.packed is not None
+    assert qkv.prepared.plain.dtype == torch.bfloat16 and qkv.prepared.packed is None
     assert qkv.prepared.layout == "panels"                   # 960 outputs: whole panels
+    assert qkv.method.gemv_rows(qkv.prepared) == EVERY_ROW
     assert worker.runner.fused is not None
     assert "bfloat16 weights in panels" in worker.ops.linear.name
     x = torch.randn(2, qkv.prepared.plain.shape[1])
-    onednn = qkv(x.repeat(35, 1))                # 70 rows: oneDNN's float32 copy
-    assert torch.equal(onednn[:2], onednn[-2:])
-    torch.testing.assert_close(qkv(x), onednn[:2], rtol=1e-5, atol=1e-5)   # the panels
-    exact = Worker(make_engine_config(default_model, kv_cache_memory_gb=0.05, device="cpu",
-                                      dtype="float32"))
+    many = qkv(x.repeat(150, 1))                 # 300 rows, a prefill's: the panels too
+    assert torch.equal(many[:2], many[-2:]) and torch.equal(qkv(x), many[:2])
+    copied = Worker(config())
+    qkv_copied = copied.model.model.layers[0].self_attn.qkv_proj
+    assert qkv_copied.prepared.packed is not None and qkv_copied.prepared.layout == "panels"
+    assert qkv_copied.method.gemv_rows(qkv_copied.prepared) == 64
+    onednn = qkv_copied(x.repeat(35, 1))         # 70 rows: oneDNN's float32 copy
+    assert torch.equal(qkv_copied(x), qkv(x))   # up to 64 rows: the same panels
+    torch.testing.assert_close(onednn[:2], many[:2], rtol=1e-5, atol=1e-5)
+    exact = Worker(config(dtype="float32"))
     assert exact.weight_dtype == exact.kv_cache.tensor.dtype == torch.float32
     plain = exact.model.model.layers[0].self_attn.qkv_proj.prepared.plain
     assert plain.dtype == torch.float32 and not torch.equal(plain, plain.bfloat16().float())
+    ref = x.double() @ plain.bfloat16().double().T      # the values the panels hold
+    torch.testing.assert_close(many[:2].double(), ref, rtol=1e-5,
+                               atol=1e-5 * float(ref.abs().max()))
     # Half the bytes a block: twice the blocks in the same memory (to the block).
     assert 2 * worker.kv_cache.bytes_per_block == exact.kv_cache.bytes_per_block
     assert worker.num_blocks // 2 == exact.num_blocks
+
+
+def test_cpu_prefill_copy_auto_follows_the_ram(default_model: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_prefill_copy="auto" keeps oneDNN's copy of the paneled weights while it takes at
+    most an eighth of the RAM available at load (the default model's float32 copy: ~0.5 GB),
+    else the panels take every product; "on" keeps it whatever the RAM."""
+    from kvflow.workers import worker as worker_module
+    from kvflow.workers.layers.ops import prefill_copy
+    assert prefill_copy("auto", 1 << 30, 8 << 30) and not prefill_copy("auto", (1 << 30) + 1,
+                                                                        8 << 30)
+    assert prefill_copy("on", 1 << 40, 0) and not prefill_copy("off", 0, 1 << 40)
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
+                                             device="cpu", **kw)
+    kept = {}
+    for available_gb, option in ((64, "auto"), (2, "auto"), (2, "on")):
+        monkeypatch.setattr(worker_module, "available_memory_bytes",
+                            lambda gb=available_gb: gb << 30)
+        worker = Worker(config(cpu_prefill_copy=option))
+        down = worker.model.model.layers[0].mlp.down_proj.prepared
+        assert worker.ops.linear.gemm_copy == (down.packed is not None)
+        kept[(available_gb, option)] = worker.ops.linear.gemm_copy
+    assert kept == {(64, "auto"): True, (2, "auto"): False, (2, "on"): True}
 
 
 def test_kv_cache_dtype_option(default_model: str) -> None:

@@ -592,10 +592,16 @@ def i8_gemm(q: torch.Tensor, x_scales: torch.Tensor, weight: I8Gemm,
     return out
 
 
+GEMV_BLOCK_BYTES = 1 << 20
+GEMV_BLOCK_MIN_ROWS = 64
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          in_scale: torch.Tensor | None = None, layout: str = "rows") -> torch.Tensor:
-    """(x * in_scale) W^T (+ bias) for a few rows of x, streaming W once (cpu_gemv.c):
+    """(x * in_scale) W^T (+ bias), streaming W once (cpu_gemv.c): decode-shaped products
+    (a few rows of x), and on the panel layouts (panels, pairs) any number of rows, prefill
+    too (GemvLinear), in blocks of GEMV_BLOCK_BYTES of x.
     x [..., K] float32 or bfloat16; W [N, K] contiguous float32, bfloat16 or int8 (then
     `scales` [N] float32: W ~ int8 * scale per row), or packed by `pack_amx` (bfloat16,
     layout="amx", x bfloat16), `pack_panels` or `pack_i8_panels` (layout="panels"),
@@ -621,9 +627,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     lib = library()
     assert lib is not None, build_error()
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    code = lib.gemv(rows.data_ptr(), GEMV_TYPES[x.dtype], stride, rows.shape[0],
-                    weight.data_ptr(), gemv_type(weight, layout), ptr(scales), ptr(in_scale),
-                    ptr(bias), n, k, out.data_ptr(), GEMV_TYPES[out_dtype], n)
+    # In blocks of GEMV_BLOCK_BYTES of x: the kernel reads every row of x once per panel of W
+    # (W itself once), so x must stay in the caches (7B shapes, 2048 rows: 0.89x oneDNN's
+    # speed in one call, 1.0x in blocks of 64-512 rows).
+    block = max(GEMV_BLOCK_MIN_ROWS, GEMV_BLOCK_BYTES // (k * x.element_size()))
+    code = 0
+    for first in range(0, max(rows.shape[0], 1), block):
+        count = min(block, rows.shape[0] - first)
+        code = lib.gemv(rows.data_ptr() + first * stride * x.element_size(),
+                        GEMV_TYPES[x.dtype], stride, count, weight.data_ptr(),
+                        gemv_type(weight, layout), ptr(scales), ptr(in_scale), ptr(bias), n, k,
+                        out.data_ptr() + first * n * out.element_size(),
+                        GEMV_TYPES[out_dtype], n)
+        if code:
+            break
     if code == 1:
         raise MemoryError("gemv could not allocate its scratch memory")
     if code:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb
+from kvflow.config import EngineConfig, ModelConfig, auto_kv_cache_gb, available_memory_bytes
 from kvflow.ipc.messages import StepPlan, StepResult
 from kvflow.workers import cpu_threads, huge_pages
 from kvflow.workers.attention import (AttentionBackend, cpu_kernels_usable, make_backend,
@@ -28,7 +28,9 @@ from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.greedy_head import GreedyHead
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.ops import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops
+from kvflow.workers.layers.linear import GemvLinear
+from kvflow.workers.layers.ops import (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops,
+                                     prefill_copy)
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors, round_weights
 from kvflow.workers.model_runner import ModelRunner
@@ -164,10 +166,29 @@ class Worker:
             pairs = model.smoothing_pairs()
             ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)
             smooth(pairs, input_absmax(model, kv_cache, [p.consumer for p in pairs], ids))
+        self._decide_prefill_copy(model)
         model.finish_loading()
         if self.device.type == "cpu":
             huge_pages.move_decode_weights(model)
         return model.eval()
+
+    def _decide_prefill_copy(self, model: LlamaForCausalLM) -> None:
+        """Whether oneDNN keeps a copy of the weights the gemv kernel holds in panels, for
+        prompts (cpu_prefill_copy; layers/ops.py prefill_copy): decided from this rank's
+        weights before they are prepared."""
+        linear = self.ops.linear
+        if not isinstance(linear, GemvLinear) or not linear.holds_panels:
+            return
+        weights = {id(m.weight): m.weight.numel() for m in model.modules()
+                   if getattr(m, "method", None) is linear and isinstance(m.weight, torch.Tensor)}
+        copy_bytes = sum(weights.values()) * self.dtype.itemsize
+        available = available_memory_bytes()
+        linear.gemm_copy = prefill_copy(self.config.cpu_prefill_copy, copy_bytes, available)
+        if self.tp.rank == 0:
+            logger.info("cpu_prefill_copy=%s: oneDNN's copy of the paneled weights for prompts "
+                        "%s (%.2f GB; %.1f GB of RAM available)", self.config.cpu_prefill_copy,
+                        "kept" if linear.gemm_copy else "not kept: the panels take every product",
+                        copy_bytes / 1e9, available / 1e9)
 
     def _build_drafter(self) -> Drafter | None:
         """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own

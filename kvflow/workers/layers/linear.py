@@ -81,7 +81,8 @@ class OneDnnLinear(LinearMethod):
 
 class GemvWeight(NamedTuple):
     """A weight as GemvLinear holds it."""
-    packed: Any                     # `inner`'s form of it (None: `inner` reads `plain`)
+    packed: Any                     # `inner`'s form of it (None: `inner` reads `plain`, or
+                                    # none, as the panels' layouts take every product)
     plain: torch.Tensor             # [out, in]: the gemv kernel's copy, in `layout`
     layout: str = "rows"            # row-major; "amx": tiles (kernels/cpu_ops.pack_amx);
                                     # "panels": bfloat16 panels (cpu_ops.pack_panels);
@@ -104,60 +105,70 @@ class GemvLinear(LinearMethod):
 
     With `stream_dtype` bfloat16 under float32 weights (whose values are bfloat16 already:
     loader.round_weights), the kernel's copy is bfloat16, widened in registers: the same
-    values at half the bytes a decode step reads; `inner` keeps its float32 copy. With
-    `pack_panels` that copy is held in the kernel's panels (outer products, no horizontal
-    sums: as AVX2, a 32-row step's linears 1.3x faster than row-major, one row as fast) and
-    takes products of up to `panel_rows` rows. With `pack_panels12` too, one-row
-    products (a single request's decode step) read a second copy, the same panels in 12 bits
-    a weight (lossless: each weight's sign and exponent byte an index into a table of 16 per
-    1024 weights): 76% of the bytes, the same results bit for bit; one row is a stream of the
-    weights, so its linears ran 1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv). Two
-    rows and more keep the bfloat16 panels, where the decoding costs more than the bytes it
-    saves. The copy adds 0.76x the bfloat16 panels' memory (the engine passes
-    pack_panels12 unless a test forces it off: layers/ops.py use_panels12).
+    values at half the bytes a decode step reads. With `pack_panels` that copy is held in
+    the kernel's panels (outer products, no horizontal sums) where the output count allows,
+    and, unless `gemm_copy`, the panels take every product, prefill too, and `inner` keeps no
+    copy (`packed` None): 2 bytes a parameter (3.5 with the 12-bit copy below) where
+    oneDNN's float32 copy adds 4. With `gemm_copy` it keeps one, and products of more than
+    `copy_rows` rows run there (layers/ops.py prefill_copy decides). The panels ran
+    0.86-0.95x oneDNN's float32 GEMM's time at 16-64 rows, 0.98-1.01x at 256-512 and
+    1.03-1.05x at 2048 (the default model's shapes, AVX2 and AVX-512 builds, 2 threads,
+    alternating calls; cpu_ops.gemv multiplies many rows in blocks, GEMV_BLOCK_BYTES of x at
+    a time); a prompt's prefill as an AVX2 CPU 2-4% longer. Elsewhere (a weight whose
+    outputs are not whole panels) the bfloat16 copy is row-major and `inner` keeps its
+    float32 copy.
+    With `pack_panels12` too, one-row products (a single request's decode step) read a
+    second copy, the same panels in 12 bits a weight (lossless: each weight's sign and
+    exponent byte an index into a table of 16 per 1024 weights): 76% of the bytes, the same
+    results bit for bit; one row is a stream of the weights, so its linears ran 1.2-1.35x
+    faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels,
+    where the decoding costs more than the bytes it saves. The copy adds 0.76x the bfloat16
+    panels' memory (the engine passes pack_panels12 unless a test forces it off:
+    layers/ops.py use_panels12).
 
     With `pack_pairs` (bfloat16 arithmetic on CPUs with AVX512-BF16 but no AMX), the
-    kernel's copy is held in pair panels instead of row-major (cpu_ops.pack_pairs: bfloat16
-    dot products, no horizontal sums) and takes products of up to `pair_rows` rows: on an
-    AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
+    kernel's copy is held in pair panels instead (cpu_ops.pack_pairs: bfloat16 dot
+    products, no horizontal sums), which likewise take every product unless `gemm_copy`: on
+    an AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
     row and 1.1-1.5x faster than oneDNN's bfloat16 GEMM at 8-64 rows (benchmarks/
-    cpu_kernels.py --gemv). With `pack_pairs12` too, products of up to `pairs12_rows` rows
-    (cpu_ops.pairs12_rows: a few, where a step is still a read of the weights) read a
-    second copy of the pair panels in 12 bits a weight (cpu_ops.pack_pairs12: the same bits,
-    76% of the bytes; layers/ops.py one_row_pairs12)."""
+    cpu_kernels.py --gemv); prefill-shaped ones took 0.98-1.04x its time at 64-512 rows and
+    1.06-1.09x at 2048, a prompt's prefill 4-6% longer. With
+    `pack_pairs12` too, products of up to `pairs12_rows` rows (cpu_ops.pairs12_rows: a few,
+    where a step is still a read of the weights) read a second copy of the pair panels in
+    12 bits a weight (cpu_ops.pack_pairs12: the same bits, 76% of the bytes;
+    layers/ops.py one_row_pairs12)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
                  pack_amx: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  amx_rows: int = 0, stream_dtype: torch.dtype | None = None,
                  pack_panels: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 panel_rows: int = 0,
                  pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 pair_rows: int = 0,
                  pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 pairs12_rows: int = 1) -> None:
+                 pairs12_rows: int = 1, gemm_copy: bool = False, copy_rows: int = 64
+                 ) -> None:
         self.gemv = gemv
+        self.gemm_copy = gemm_copy
+        self.copy_rows = copy_rows
         self.inner = inner
         self.max_rows = max_rows
         self.pack_amx = pack_amx if amx_rows else None
         self.amx_rows = amx_rows if pack_amx is not None else 0
         self.stream_dtype = stream_dtype
-        self.pack_panels = pack_panels if stream_dtype is not None and panel_rows else None
-        self.panel_rows = panel_rows if self.pack_panels is not None else 0
-        self.pack_panels12 = pack_panels12 if self.panel_rows else None
-        self.pack_pairs = pack_pairs if pair_rows and stream_dtype is None else None
-        self.pair_rows = pair_rows if self.pack_pairs is not None else 0
-        self.pack_pairs12 = pack_pairs12 if self.pair_rows else None
+        self.pack_panels = pack_panels if stream_dtype is not None else None
+        self.pack_panels12 = pack_panels12 if self.pack_panels is not None else None
+        self.pack_pairs = pack_pairs if stream_dtype is None else None
+        self.pack_pairs12 = pack_pairs12 if self.pack_pairs is not None else None
         self.pairs12_rows = pairs12_rows if self.pack_pairs12 is not None else 0
         streams = ("" if stream_dtype is None
                    else f", {str(stream_dtype).removeprefix('torch.')} weights")
-        if self.panel_rows:
-            streams += f" in panels <= {panel_rows} rows"
+        if self.pack_panels is not None:
+            streams += " in panels, every row count"
             if self.pack_panels12 is not None:
                 streams += " (one row: 12-bit panels)"
-        if self.pair_rows:
-            streams += f"; bfloat16 pair panels <= {self.pair_rows} rows"
+        if self.pack_pairs is not None:
+            streams += "; bfloat16 pair panels, every row count"
             if self.pack_pairs12 is not None:
                 streams += (" (one row: 12-bit pair panels)" if self.pairs12_rows == 1 else
                             f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
@@ -167,27 +178,38 @@ class GemvLinear(LinearMethod):
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
                 ) -> GemvWeight:
         weight = smoothed(weight, input_scale)
+        paneled = self._panels(weight)
+        if paneled is not None:
+            # `inner`'s copy only where asked (gemm_copy): else the panels take every product
+            return (paneled._replace(packed=self.inner.prepare(weight)) if self.gemm_copy
+                    else paneled)
         packed = self.inner.prepare(weight)
         # Only beside `inner`'s own copy: an `inner` that reads the plain weight needs it.
         tiles = (self.pack_amx(weight) if self.pack_amx is not None and packed is not None
                  else None)
         if tiles is not None:
             return GemvWeight(packed, tiles, layout="amx")
-        pairs = (self.pack_pairs(weight) if self.pack_pairs is not None and packed is not None
-                 else None)
-        if pairs is not None:
-            one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
-            return GemvWeight(packed, pairs, layout="pairs", one_row=one_row)
         stream = self.stream_dtype
         if packed is not None and stream is not None and stream != weight.dtype:
-            narrow = weight.to(stream).contiguous()
-            panels = self.pack_panels(narrow) if self.pack_panels is not None else None
+            return GemvWeight(packed, weight.to(stream).contiguous())
+        return GemvWeight(packed, weight.contiguous())
+
+    def _panels(self, weight: torch.Tensor) -> GemvWeight | None:
+        """The weight in pair panels or bfloat16 panels (with their 12-bit copy), where this
+        method holds them and the output count fills whole panels."""
+        if self.pack_pairs is not None:
+            pairs = self.pack_pairs(weight)
+            if pairs is not None:
+                one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
+                return GemvWeight(None, pairs, layout="pairs", one_row=one_row)
+        if self.pack_panels is not None and self.stream_dtype != weight.dtype:
+            narrow = weight.to(self.stream_dtype).contiguous()
+            panels = self.pack_panels(narrow)
             if panels is not None:
                 one_row = (self.pack_panels12(narrow) if self.pack_panels12 is not None
                            else None)
-                return GemvWeight(packed, panels, layout="panels", one_row=one_row)
-            return GemvWeight(packed, narrow)
-        return GemvWeight(packed, weight.contiguous())
+                return GemvWeight(None, panels, layout="panels", one_row=one_row)
+        return None
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,8 +228,19 @@ class GemvLinear(LinearMethod):
     def gemv_rows(self, prepared: Any) -> int:
         if prepared is None:
             return 0
-        return {"amx": self.amx_rows, "panels": self.panel_rows,
-                "pairs": self.pair_rows}.get(prepared.layout, self.max_rows)
+        if prepared.layout in ("panels", "pairs"):
+            return EVERY_ROW if prepared.packed is None else self.copy_rows
+        return self.amx_rows if prepared.layout == "amx" else self.max_rows
+
+    @property
+    def holds_panels(self) -> bool:
+        """Whether weights whose outputs fill whole panels are held in panels or pair panels
+        (then gemm_copy decides whether `inner` keeps a copy of them too)."""
+        return self.pack_panels is not None or self.pack_pairs is not None
+
+
+# gemv_rows of weights the kernel takes whatever the rows (panels, pair panels).
+EVERY_ROW = 1 << 30
 
 
 def smoothed(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:

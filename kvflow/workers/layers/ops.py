@@ -67,10 +67,12 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 #   default model, 2 threads, AVX-512 and AVX2 builds) took 12-14 / 24-32 / 36-50 / 45-62 ms
 #   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
 #   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs); with the bfloat16 copy in the
-#   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to GEMV_MAX_ROWS_PANELS;
+#   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to
+#   GEMV_MAX_ROWS_PANELS beside oneDNN's copy, every row count without it (prefill_copy);
 # - bfloat16 arithmetic without AMX (AVX512-BF16): the weights in pair panels
-#   (cpu_ops.pack_pairs), faster than oneDNN's bfloat16 GEMM up to GEMV_MAX_ROWS_PANELS rows
-#   (AMD EPYC Zen 5; the 32-request workload's decode steps of 9-32 rows then run fused);
+#   (cpu_ops.pack_pairs), faster than oneDNN's bfloat16 GEMM up to GEMV_MAX_ROWS_PANELS
+#   rows (AMD EPYC Zen 5; the 32-request workload's decode steps of 9-32 rows then run
+#   fused), every row count without oneDNN's copy, likewise;
 # - int8 with AVX512-VNNI but no AMX: past 8 rows (layers/linear.py int8_gemv_rows) every
 #   fused linear runs kvflow's W8A8 GEMM (kernels/cpu_gemm_i8.c), as the model's forward does;
 # - int8 without VNNI: past GEMV_MAX_ROWS every fused linear runs kvflow's W7A8 GEMM
@@ -125,6 +127,28 @@ def use_pairs12() -> bool:
     return one_row_pairs12(cpu_flags()) if ONE_ROW_PAIRS12 is None else ONE_ROW_PAIRS12
 
 
+# Share of the RAM available at load that oneDNN's copy of the paneled weights may take
+# under cpu_prefill_copy="auto".
+PREFILL_COPY_SHARE = 1 / 8
+
+
+def prefill_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
+    """Whether oneDNN keeps its own copy of the weights the gemv kernel holds in panels or
+    pair panels (GemvLinear.gemm_copy), for products of more than GEMV_MAX_ROWS_PANELS rows
+    (prompts): `option` "on" or "off" (cpu_prefill_copy), or "auto": while the copy's
+    `copy_bytes` are at most PREFILL_COPY_SHARE of the RAM available. It adds 4 bytes a
+    parameter under float32 arithmetic (the panels hold 2, their 12-bit copy 1.5), 2 under
+    bfloat16, and makes a prompt's prefill a few percent shorter: in one process, the same
+    engine alternately with and without it (the default model, 16 prompts of 512 tokens,
+    then one of 2000), as an AVX2 CPU on an AMD EPYC Zen 5 prefill 2-4% and the 2000-token
+    prompt 1-4% slower without it, the 32-request workload 0-3%; natively (AVX512-BF16,
+    pair panels) 5-6% and 4-9%. So for the default model (0.5 GB of float32 copy) it is
+    kept, and a 7B model (28 GB) fits in half the memory without it."""
+    if option != "auto":
+        return option == "on"
+    return copy_bytes <= available_bytes * PREFILL_COPY_SHARE
+
+
 def pair_panels() -> bool:
     """Whether bfloat16 weights of the gemv kernel are held in pair panels here: the kernels'
     build has AVX512-BF16 and the CPU no AMX (whose tiles take bfloat16 instead)."""
@@ -177,14 +201,12 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             stream = weight_dtype if weight_dtype not in (None, dtype) else None
             linear = GemvLinear(cpu_ops.gemv, linear,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
-                                cpu_ops.pack_amx, amx_rows, stream,
-                                cpu_ops.pack_panels, GEMV_MAX_ROWS_PANELS,
+                                cpu_ops.pack_amx, amx_rows, stream, cpu_ops.pack_panels,
                                 cpu_ops.pack_panels12 if use_panels12() else None,
-                                cpu_ops.pack_pairs,
-                                GEMV_MAX_ROWS_PANELS if dtype == torch.bfloat16 and pair_panels()
-                                else 0,
+                                cpu_ops.pack_pairs if dtype == torch.bfloat16 and pair_panels()
+                                else None,
                                 cpu_ops.pack_pairs12 if use_pairs12() else None,
-                                cpu_ops.pairs12_rows())
+                                cpu_ops.pairs12_rows(), copy_rows=GEMV_MAX_ROWS_PANELS)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
