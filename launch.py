@@ -80,10 +80,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-prefill-copy", default="auto", choices=["auto", "on", "off"],
                         help="CPU: whether oneDNN keeps its own copy of the weights that "
                              "kvflow's gemv kernel holds in panels (bfloat16 weights), for "
-                             "prompt-sized products, 3-6%% faster there; it adds 4 bytes a "
-                             "parameter under float32 arithmetic, 2 under bfloat16 (auto: "
-                             "while it takes at most an eighth of the RAM available at load; "
-                             "off: the panels take every product)")
+                             "prompt-sized products, a few percent faster there; it adds 4 "
+                             "bytes a parameter under float32 arithmetic, 2 under bfloat16 "
+                             "(auto: while it takes at most an eighth of the RAM available "
+                             "at load, a rank's share of it; off: the panels take every "
+                             "product)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="int8: int8 linear weights on CPU (per output channel): "
                              "products of up to 4 rows (one user's decode steps; 8 on "

@@ -858,24 +858,28 @@ def test_gemv_many_rows_in_blocks(kernels: str, layout: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """cpu_ops.gemv multiplies a prefill's rows in blocks of GEMV_BLOCK_BYTES of x (so x
     stays in the caches): the same bits as one call, blocks of every size and a last short
-    one, the bias and the output dtype kept; x a strided view."""
+    one, x's rows further apart than K, the bias, an output dtype other than x's; no rows."""
     w = torch.randn(64, 48).bfloat16()
     packed = cpu_ops.pack_panels(w) if layout == "panels" else cpu_ops.pack_pairs(w)
     if packed is None:                     # a build without AVX512-BF16 holds no pair panels
         assert layout == "pairs" and not _pairs_here(kernels)
         return
-    x = torch.randn(150, 96)[:, ::2]
-    x = x if layout == "panels" else x.bfloat16()
+    x = torch.randn(150, 80)
+    x = (x if layout == "panels" else x.bfloat16())[:, :48]       # rows 80 apart
     bias = torch.randn(64)
-    whole = cpu_ops.gemv(x, packed, None, bias, layout=layout)
+    out_dtypes = [x.dtype] + ([torch.float32] if layout == "pairs" else [torch.bfloat16])
+    whole = {d: cpu_ops.gemv(x, packed, None, bias, out_dtype=d, layout=layout)
+             for d in out_dtypes}
     for rows in (1, 7, 64):
         monkeypatch.setattr(cpu_ops, "GEMV_BLOCK_MIN_ROWS", rows)
         monkeypatch.setattr(cpu_ops, "GEMV_BLOCK_BYTES", 1)
-        got = cpu_ops.gemv(x, packed, None, bias, layout=layout)
-        assert got.dtype == x.dtype and torch.equal(got, whole)
+        for dtype in out_dtypes:
+            got = cpu_ops.gemv(x, packed, None, bias, out_dtype=dtype, layout=layout)
+            assert got.dtype == dtype and torch.equal(got, whole[dtype])
+        assert cpu_ops.gemv(x[:0], packed, None, bias, layout=layout).shape == (0, 64)
     ref = x.double() @ w.double().T + bias.double()
-    torch.testing.assert_close(whole.double(), ref, atol=1e-2 * float(ref.abs().max()),
-                               rtol=1e-2)
+    torch.testing.assert_close(whole[x.dtype].double(), ref,
+                               atol=1e-2 * float(ref.abs().max()), rtol=1e-2)
 
 
 def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:

@@ -61,9 +61,8 @@ def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
     """As a CPU without AVX512-BF16 or AMX: float32 activations, weight matrices rounded to
     bfloat16's values and a bfloat16 KV cache; the gemv kernel (and so the fused decode step)
     holds a bfloat16 copy of the weights in panels. With cpu_prefill_copy="off" the panels
-    take every row count and oneDNN keeps no float32 copy; "auto" keeps one for the default
-    model (a small share of the RAM), taking products of more than 64 rows, with the same
-    values. dtype="float32" keeps the weights as loaded and a float32 KV cache."""
+    take every row count and oneDNN keeps no float32 copy; with "on" it keeps one, which
+    takes products of more than 64 rows, with the same values. dtype="float32" keeps the weights as loaded and a float32 KV cache."""
     from kvflow.workers.layers.linear import EVERY_ROW
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
@@ -82,7 +81,7 @@ def test_without_native_bf16_auto_streams_bf16_weights(default_model: str,
     x = torch.randn(2, qkv.prepared.plain.shape[1])
     many = qkv(x.repeat(150, 1))                 # 300 rows, a prefill's: the panels too
     assert torch.equal(many[:2], many[-2:]) and torch.equal(qkv(x), many[:2])
-    copied = Worker(config())
+    copied = Worker(config(cpu_prefill_copy="on"))
     qkv_copied = copied.model.model.layers[0].self_attn.qkv_proj
     assert qkv_copied.prepared.packed is not None and qkv_copied.prepared.layout == "panels"
     assert qkv_copied.method.gemv_rows(qkv_copied.prepared) == 64

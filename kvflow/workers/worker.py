@@ -28,7 +28,7 @@ from kvflow.workers.fused_decode import FusedDecode
 from kvflow.workers.greedy_head import GreedyHead
 from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
-from kvflow.workers.layers.linear import GemvLinear
+from kvflow.workers.layers.linear import GemvLinear, OneDnnLinear
 from kvflow.workers.layers.ops import (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops,
                                      prefill_copy)
 from kvflow.workers.layers.parallel import TPGroup
@@ -174,21 +174,30 @@ class Worker:
 
     def _decide_prefill_copy(self, model: LlamaForCausalLM) -> None:
         """Whether oneDNN keeps a copy of the weights the gemv kernel holds in panels, for
-        prompts (cpu_prefill_copy; layers/ops.py prefill_copy): decided from this rank's
-        weights before they are prepared."""
+        prompts (cpu_prefill_copy; layers/ops.py prefill_copy), decided once, for the target
+        model (a draft model follows it), before its weights are prepared: "auto" weighs
+        this rank's weights (all the method holds: an upper bound) against its share of the
+        node's available RAM, and the ranks agree (all keep it, or none)."""
         linear = self.ops.linear
-        if not isinstance(linear, GemvLinear) or not linear.holds_panels:
+        if not isinstance(linear, GemvLinear) or linear.gemm_copy is not None:
+            return
+        if not linear.holds_panels or not isinstance(linear.inner, OneDnnLinear):
+            linear.gemm_copy = False                 # nothing paneled, or no oneDNN to copy for
             return
         weights = {id(m.weight): m.weight.numel() for m in model.modules()
                    if getattr(m, "method", None) is linear and isinstance(m.weight, torch.Tensor)}
         copy_bytes = sum(weights.values()) * self.dtype.itemsize
-        available = available_memory_bytes()
-        linear.gemm_copy = prefill_copy(self.config.cpu_prefill_copy, copy_bytes, available)
+        share = available_memory_bytes() // self.config.parallel.ranks_per_node
+        keep = prefill_copy(self.config.cpu_prefill_copy, copy_bytes, share)
+        if self.tp.size > 1:
+            keep = int(self.tp.all_reduce(torch.tensor([float(keep)])).item()) == self.tp.size
+        linear.gemm_copy = keep
         if self.tp.rank == 0:
             logger.info("cpu_prefill_copy=%s: oneDNN's copy of the paneled weights for prompts "
-                        "%s (%.2f GB; %.1f GB of RAM available)", self.config.cpu_prefill_copy,
-                        "kept" if linear.gemm_copy else "not kept: the panels take every product",
-                        copy_bytes / 1e9, available / 1e9)
+                        "%s (%.2f GB a rank; %.1f GB of RAM available a rank)",
+                        self.config.cpu_prefill_copy,
+                        "kept" if keep else "not kept: the panels take every product",
+                        copy_bytes / 1e9, share / 1e9)
 
     def _build_drafter(self) -> Drafter | None:
         """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own

@@ -110,11 +110,8 @@ class GemvLinear(LinearMethod):
     and, unless `gemm_copy`, the panels take every product, prefill too, and `inner` keeps no
     copy (`packed` None): 2 bytes a parameter (3.5 with the 12-bit copy below) where
     oneDNN's float32 copy adds 4. With `gemm_copy` it keeps one, and products of more than
-    `copy_rows` rows run there (layers/ops.py prefill_copy decides). The panels ran
-    0.86-0.95x oneDNN's float32 GEMM's time at 16-64 rows, 0.98-1.01x at 256-512 and
-    1.03-1.05x at 2048 (the default model's shapes, AVX2 and AVX-512 builds, 2 threads,
-    alternating calls; cpu_ops.gemv multiplies many rows in blocks, GEMV_BLOCK_BYTES of x at
-    a time); a prompt's prefill as an AVX2 CPU 2-4% longer. Elsewhere (a weight whose
+    `copy_rows` rows run there (layers/ops.py prefill_copy decides; the two compared:
+    docs/design.md, "oneDNN's copy for prompts"). Elsewhere (a weight whose
     outputs are not whole panels) the bfloat16 copy is row-major and `inner` keeps its
     float32 copy.
     With `pack_panels12` too, one-row products (a single request's decode step) read a
@@ -131,8 +128,7 @@ class GemvLinear(LinearMethod):
     products, no horizontal sums), which likewise take every product unless `gemm_copy`: on
     an AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
     row and 1.1-1.5x faster than oneDNN's bfloat16 GEMM at 8-64 rows (benchmarks/
-    cpu_kernels.py --gemv); prefill-shaped ones took 0.98-1.04x its time at 64-512 rows and
-    1.06-1.09x at 2048, a prompt's prefill 4-6% longer. With
+    cpu_kernels.py --gemv). With
     `pack_pairs12` too, products of up to `pairs12_rows` rows (cpu_ops.pairs12_rows: a few,
     where a step is still a read of the weights) read a second copy of the pair panels in
     12 bits a weight (cpu_ops.pack_pairs12: the same bits, 76% of the bytes;
@@ -146,10 +142,10 @@ class GemvLinear(LinearMethod):
                  pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 pairs12_rows: int = 1, gemm_copy: bool = False, copy_rows: int = 64
+                 pairs12_rows: int = 1, gemm_copy: bool | None = None, copy_rows: int = 64
                  ) -> None:
         self.gemv = gemv
-        self.gemm_copy = gemm_copy
+        self.gemm_copy = gemm_copy           # None: not decided yet (the worker's, at load)
         self.copy_rows = copy_rows
         self.inner = inner
         self.max_rows = max_rows
@@ -161,19 +157,26 @@ class GemvLinear(LinearMethod):
         self.pack_pairs = pack_pairs if stream_dtype is None else None
         self.pack_pairs12 = pack_pairs12 if self.pack_pairs is not None else None
         self.pairs12_rows = pairs12_rows if self.pack_pairs12 is not None else 0
-        streams = ("" if stream_dtype is None
-                   else f", {str(stream_dtype).removeprefix('torch.')} weights")
+
+    @property
+    def name(self) -> str:                   # type: ignore[override]
+        """What runs, for the logs: read when asked, as gemm_copy is decided at load."""
+        stream = self.stream_dtype
+        streams = "" if stream is None else f", {str(stream).removeprefix('torch.')} weights"
+        rows = "every row count" if not self.gemm_copy else f"<= {self.copy_rows} rows"
         if self.pack_panels is not None:
-            streams += " in panels, every row count"
+            streams += f" in panels, {rows}"
             if self.pack_panels12 is not None:
                 streams += " (one row: 12-bit panels)"
         if self.pack_pairs is not None:
-            streams += "; bfloat16 pair panels, every row count"
+            streams += f"; bfloat16 pair panels, {rows}"
             if self.pack_pairs12 is not None:
                 streams += (" (one row: 12-bit pair panels)" if self.pairs12_rows == 1 else
                             f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
-        self.name = (f"gemv (<= {max_rows} rows; AMX <= {self.amx_rows}) + {inner.name}"
-                     if self.amx_rows else f"gemv (<= {max_rows} rows{streams}) + {inner.name}")
+        inner = self.inner.name
+        if self.amx_rows:
+            return f"gemv (<= {self.max_rows} rows; AMX <= {self.amx_rows}) + {inner}"
+        return f"gemv (<= {self.max_rows} rows{streams}) + {inner}"
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
                 ) -> GemvWeight:

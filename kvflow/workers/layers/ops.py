@@ -136,14 +136,11 @@ def prefill_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
     """Whether oneDNN keeps its own copy of the weights the gemv kernel holds in panels or
     pair panels (GemvLinear.gemm_copy), for products of more than GEMV_MAX_ROWS_PANELS rows
     (prompts): `option` "on" or "off" (cpu_prefill_copy), or "auto": while the copy's
-    `copy_bytes` are at most PREFILL_COPY_SHARE of the RAM available. It adds 4 bytes a
+    `copy_bytes` are at most PREFILL_COPY_SHARE of `available_bytes`. It adds 4 bytes a
     parameter under float32 arithmetic (the panels hold 2, their 12-bit copy 1.5), 2 under
-    bfloat16, and makes a prompt's prefill a few percent shorter: in one process, the same
-    engine alternately with and without it (the default model, 16 prompts of 512 tokens,
-    then one of 2000), as an AVX2 CPU on an AMD EPYC Zen 5 prefill 2-4% and the 2000-token
-    prompt 1-4% slower without it, the 32-request workload 0-3%; natively (AVX512-BF16,
-    pair panels) 5-6% and 4-9%. So for the default model (0.5 GB of float32 copy) it is
-    kept, and a 7B model (28 GB) fits in half the memory without it."""
+    bfloat16, and takes a few percent off a prompt's prefill (docs/design.md, "oneDNN's copy
+    for prompts"; benchmarks/prefill_copy.py): so the default model (0.5 GB of float32
+    copy) keeps it, and a 7B model (28 GB) fits in half the memory without it."""
     if option != "auto":
         return option == "on"
     return copy_bytes <= available_bytes * PREFILL_COPY_SHARE
