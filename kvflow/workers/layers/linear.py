@@ -111,9 +111,8 @@ class GemvLinear(LinearMethod):
     copy (`packed` None): 2 bytes a parameter (3.5 with the 12-bit copy below) where
     oneDNN's float32 copy adds 4. With `gemm_copy` it keeps one, and products of more than
     `copy_rows` rows run there (layers/ops.py prefill_copy decides; the two compared:
-    docs/design.md, "oneDNN's copy for prompts"). Elsewhere (a weight whose
-    outputs are not whole panels) the bfloat16 copy is row-major and `inner` keeps its
-    float32 copy.
+    docs/design.md, "oneDNN's copy for prompts"). Elsewhere (a weight whose outputs are not
+    whole panels) the bfloat16 copy is row-major and `inner` keeps its float32 copy.
     With `pack_panels12` too, one-row products (a single request's decode step) read a
     second copy, the same panels in 12 bits a weight (lossless: each weight's sign and
     exponent byte an index into a table of 16 per 1024 weights): 76% of the bytes, the same
@@ -128,11 +127,10 @@ class GemvLinear(LinearMethod):
     products, no horizontal sums), which likewise take every product unless `gemm_copy`: on
     an AMD EPYC Zen 5 a decode step's linears streamed 1.3-1.7x faster than row-major at one
     row and 1.1-1.5x faster than oneDNN's bfloat16 GEMM at 8-64 rows (benchmarks/
-    cpu_kernels.py --gemv). With
-    `pack_pairs12` too, products of up to `pairs12_rows` rows (cpu_ops.pairs12_rows: a few,
-    where a step is still a read of the weights) read a second copy of the pair panels in
-    12 bits a weight (cpu_ops.pack_pairs12: the same bits, 76% of the bytes;
-    layers/ops.py one_row_pairs12)."""
+    cpu_kernels.py --gemv). With `pack_pairs12` too, products of up to `pairs12_rows` rows
+    (cpu_ops.pairs12_rows: a few, where a step is still a read of the weights) read a
+    second copy of the pair panels in 12 bits a weight (cpu_ops.pack_pairs12: the same bits,
+    76% of the bytes; layers/ops.py one_row_pairs12)."""
 
     def __init__(self, gemv: Callable[..., torch.Tensor], inner: LinearMethod,
                  max_rows: int,
