@@ -101,7 +101,8 @@ FLOOR_KIND = {"kvflow-float32": "float32", "kvflow-bfloat16": "bfloat16",
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
                 "llamacpp-Q8_0": 34 / 32,
                 "panels12": 1.5 + 16 / 1024,   # 12 bits a weight, a 16-byte table a 1024
-                "pairs12": 1.5 + 16 / 1024}
+                "pairs12": 1.5 + 16 / 1024,
+                "amx12": 1.5 + 16 / 1024}      # beside AMX tiles, one row (pairs12's bytes)
 ISA_ENV = {"avx2": dict(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2",
                         MKL_ENABLE_INSTRUCTIONS="AVX2", KVFLOW_KERNEL_ISA="avx2",
                         KVFLOW_CPU_FLAGS="sse4_2 avx avx2 fma f16c bmi2"),
@@ -575,12 +576,12 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 
 def step_weight_bytes(kind: str) -> Callable[[int], float]:
     """Bytes a weight a decode step of so many rows reads: kvflow's 12-bit copies serve only
-    steps of one row (panels12) or of up to cpu_ops.pairs12_rows() rows (pairs12); the
-    larger ones read the bfloat16 panels or pair panels."""
-    if kind not in ("panels12", "pairs12"):
+    steps of one row (panels12, amx12) or of up to cpu_ops.pairs12_rows() rows (pairs12);
+    the larger ones read the bfloat16 panels, pair panels or AMX tiles."""
+    if kind not in ("panels12", "pairs12", "amx12"):
         return lambda rows: WEIGHT_BYTES[kind]
     from kvflow.kernels import cpu_ops
-    few = 1 if kind == "panels12" else cpu_ops.pairs12_rows()
+    few = cpu_ops.pairs12_rows() if kind == "pairs12" else 1
     return lambda rows: WEIGHT_BYTES[kind] if rows <= few else WEIGHT_BYTES["bfloat16"]
 
 
@@ -589,12 +590,17 @@ def weight_kind(engine: str, auto_kind: str) -> str:
     if engine in ("kvflow-auto", "kvflow-auto-kv8"):    # bfloat16 weights, whatever the
         # arithmetic (hardware.py); one row reads them in 12 bits: under float32 arithmetic
         # in 12-bit panels where use_panels12(), under bfloat16 in 12-bit pair panels where
-        # the CPU multiplies pairs (AVX512-BF16, no AMX) and use_pairs12()
+        # the build has them and use_pairs12() (beside the pair panels, or the AMX tiles)
+        from kvflow.kernels import cpu_ops
         from kvflow.workers.layers.ops import pair_panels, use_panels12, use_pairs12
         if auto_kind == "float32" and use_panels12():
             return "panels12"
-        return ("pairs12" if auto_kind == "bfloat16" and pair_panels() and use_pairs12()
-                else "bfloat16")
+        if auto_kind == "bfloat16" and use_pairs12() and cpu_ops.pairs_available():
+            if pair_panels():
+                return "pairs12"
+            if cpu_ops.gemv_amx_rows():
+                return "amx12"
+        return "bfloat16"
     if engine in WEIGHT_BYTES:
         return engine
     if engine in ("kvflow-int8", "kvflow-int8-kv8"):

@@ -5,8 +5,13 @@
 #     bash benchmarks/gpu_suite.sh tests    # only the two test suites
 #     bash benchmarks/gpu_suite.sh bench    # only the benchmark (more arguments go to it,
 #                                           # e.g. `bench --skip-hf`; see its --help)
+#     bash benchmarks/gpu_suite.sh cpu      # not in `all`: kvflow's CPU paths on the machine's
+#                                           # CPU (on the lent machines an Intel Xeon with AMX),
+#                                           # on 2 of its cores: gemv_stream.py's layouts, then
+#                                           # cpu_paths.py (more arguments go to it)
 #
-# On the lent GPU machine a command may run 10 minutes: run `tests` and `bench` as two calls.
+# On the lent GPU machine a command may run 10 minutes: run `tests`, `bench` and `cpu` as
+# separate calls.
 # Needs torch with CUDA, triton, transformers, tokenizers, safetensors, jinja2, numpy, tqdm,
 # psutil, pytest, plus pyzmq, msgspec and llguidance (flash-attn optional: its backend is then
 # tested too). The lent GPU image (torch 2.11 + CUDA 13, Triton 3.6, transformers, Python 3.12,
@@ -33,10 +38,11 @@ if [ -n "${WHEELS:-}" ]; then
     export PYTHONPATH=/tmp/kvflow-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-$PY - <<'PY' || exit 1
-import torch, triton, zmq, msgspec, transformers
-assert torch.cuda.is_available(), "no CUDA GPU visible"
-print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton {triton.__version__}, "
+WHAT=$WHAT $PY - <<'PY' || exit 1
+import os, torch, triton, zmq, msgspec, transformers
+assert torch.cuda.is_available() or os.environ["WHAT"] == "cpu", "no CUDA GPU visible"
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+print(f"{gpu}: torch {torch.__version__}, triton {triton.__version__}, "
       f"transformers {transformers.__version__}")
 try:
     import flash_attn
@@ -54,5 +60,14 @@ fi
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
     echo "=== benchmarks/gpu_throughput.py (nano-vllm's workload, Qwen3-0.6B shape)"
     $PY benchmarks/gpu_throughput.py "$@" || status=1
+fi
+if [ "$WHAT" = cpu ]; then
+    echo "=== benchmarks/gemv_stream.py (a decode step's linears against a plain read, 2 threads)"
+    for layout in pairs12 pairs i8; do
+        $PY benchmarks/gemv_stream.py --layout $layout --threads 2 || status=1
+    done
+    $PY benchmarks/gemv_stream.py --layout panels12 --isa avx512,native --threads 2 || status=1
+    echo "=== benchmarks/cpu_paths.py (in-process, 2 cores, dummy weights of the default model's shape)"
+    CUDA_VISIBLE_DEVICES= $PY benchmarks/cpu_paths.py "$@" || status=1
 fi
 exit $status

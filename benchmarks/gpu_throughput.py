@@ -66,11 +66,11 @@ def nano_vllm_workload(num_requests: int = 256, seed: int = 0
     return prompts, max_tokens
 
 
-def make_model_dir(out_dir: str) -> str:
-    """config.json of Qwen3-0.6B's shape plus tokenizer files (KVFLOW_TOKENIZER_DIR, else the
-    default model's, else a word-level one written here: the workload is token ids)."""
+def make_model_dir(out_dir: str, config: dict[str, Any] = QWEN3_0_6B) -> str:
+    """config.json of a shape (Qwen3-0.6B's) plus tokenizer files (KVFLOW_TOKENIZER_DIR, else
+    the default model's, else a word-level one written here: the workload is token ids)."""
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(QWEN3_0_6B, f, indent=1)
+        json.dump(config, f, indent=1)
     from kvflow.frontend.model_files import DEFAULT_FOLDER, cache_dir
     for source in (os.environ.get("KVFLOW_TOKENIZER_DIR"),
                    os.path.join(cache_dir(), DEFAULT_FOLDER)):
@@ -80,7 +80,7 @@ def make_model_dir(out_dir: str) -> str:
                     shutil.copy(os.path.join(source, name), out_dir)
             return out_dir
     from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"t{i}": i for i in range(QWEN3_0_6B["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))

@@ -941,6 +941,45 @@ def test_gemv_linear_reads_12_bit_pair_panels_for_one_row(kernels: str) -> None:
     assert calls == ["pairs12", "pairs"]
 
 
+def test_gemv_linear_beside_amx_tiles_reads_12_bit_pair_panels_for_one_row(
+        kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where AMX takes bfloat16 (its tiles faked here: this CPU need not have them; nothing
+    below runs on the tiles), GemvLinear keeps a 12-bit pair-panel copy beside each tiled
+    weight and reads it for one row: the pair panels' bits (on a build with AVX512-BF16);
+    two rows go to the tiles. Without pack_pairs12 nothing is copied."""
+    from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
+                                              gemv_operands)
+    monkeypatch.setattr(cpu_ops, "gemv_amx_rows", lambda: 32)
+    inner = OneDnnLinear() if OneDnnLinear.works(torch.bfloat16) else LinearMethod()
+    tiles_only = GemvLinear(cpu_ops.gemv, inner, 4, cpu_ops.pack_amx, 32)
+    method = GemvLinear(cpu_ops.gemv, inner, 4, cpu_ops.pack_amx, 32,
+                        pack_pairs12=cpu_ops.pack_pairs12)
+    pairs = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs)
+    w = torch.randn(96, 64).bfloat16()
+    prepared, alone = method.prepare(w), tiles_only.prepare(w)
+    if prepared.packed is None:                      # no oneDNN copy: the tiles are not made
+        assert prepared.layout == "rows"
+        return
+    assert prepared.layout == alone.layout == "amx" and alone.one_row is None
+    assert torch.equal(prepared.plain, cpu_ops.pack_amx(w))
+    assert "AMX <= 32" in method.name and "12-bit" not in tiles_only.name
+    if not _pairs_here(kernels):                     # a build without AVX512-BF16
+        assert prepared.one_row is None
+        return
+    assert "one row: 12-bit pair panels" in method.name
+    assert torch.equal(prepared.one_row, cpu_ops.pack_pairs12(w))
+    assert gemv_operands(prepared).one_row is prepared.one_row
+    reference = pairs.prepare(w)
+    bias = torch.randn(96)
+    x = torch.randn(1, 64).bfloat16()
+    assert torch.equal(method.apply(x, w, prepared, bias), pairs.apply(x, w, reference, bias))
+    calls: list[str] = []
+    method.gemv = lambda *a, layout="rows": calls.append(layout) or torch.zeros(1)
+    method.apply(torch.randn(1, 64).bfloat16(), w, prepared)
+    method.apply(torch.randn(2, 64).bfloat16(), w, prepared)
+    assert calls == ["pairs12", "amx"]
+
+
 @pytest.mark.parametrize("layout", ["panels", "panels12", "i8 panels", "pairs", "pairs12"])
 def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layout: str) -> None:
     """Panels are shared out by work stealing (cpu_gemv.c shares_claim: a thread done with

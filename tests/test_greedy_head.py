@@ -184,16 +184,20 @@ def test_pair_panels_rows_the_bound_cannot_decide_fall_back(kernels: str) -> Non
 
 
 def test_takes_only_plain_greedy_rows() -> None:
+    """Up to max_rows rows (MAX_ROWS; one beside AMX tiles), each plain greedy."""
     plain = SamplingParams(temperature=0)
-    assert GreedyHead.takes([plain] * MAX_ROWS, masked=False)
-    assert not GreedyHead.takes([plain] * (MAX_ROWS + 1), masked=False)
-    assert not GreedyHead.takes([plain], masked=True)
-    assert not GreedyHead.takes([], masked=False)
+    head, one_row = GreedyHead(torch.randn(64, 32)), GreedyHead(torch.randn(64, 32), 1)
+    assert head.takes([plain] * MAX_ROWS, masked=False)
+    assert not head.takes([plain] * (MAX_ROWS + 1), masked=False)
+    assert one_row.takes([plain], masked=False)
+    assert not one_row.takes([plain] * 2, masked=False)
+    assert not head.takes([plain], masked=True)
+    assert not head.takes([], masked=False)
     for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=1),
                   SamplingParams(temperature=0, repetition_penalty=1.2),
                   SamplingParams(temperature=0, logit_bias={5: 3.0}),
                   SamplingParams(temperature=0, min_tokens=3)):
-        assert not GreedyHead.takes([plain, other], masked=False)
+        assert not head.takes([plain, other], masked=False)
 
 
 def test_engine_tokens_with_and_without_the_head(default_model: str,

@@ -152,10 +152,11 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
         return i8_gemm(s->xq, l->k, s->num_tokens, l->k, l->gemm, l->gemm_comp, l->n,
                        l->gemm_scales, s->xscales, l->bias, out, l->n, s->dtype == D_BF16);
     }
-    /* 12-bit: pair panels' (8, a few rows) or panels' (6, one row) */
+    /* 12-bit: pair panels' (8: beside pair panels, a few rows; beside AMX tiles, one row)
+     * or panels' (6, one row) */
     if (l->one_row != NULL
         && (s->num_tokens == 1 || (l->type == 7 && s->num_tokens <= gemv_pairs12_rows())))
-        return gemv(x, s->dtype, l->k, s->num_tokens, l->one_row, l->type == 7 ? 8 : 6,
+        return gemv(x, s->dtype, l->k, s->num_tokens, l->one_row, l->type == 4 ? 6 : 8,
                     l->scales, l->in_scale, l->bias, l->n, l->k, out, s->dtype, l->n);
     return gemv(x, s->dtype, l->k, s->num_tokens, l->w, l->type, l->scales, l->in_scale,
                 l->bias, l->n, l->k, out, s->dtype, l->n);

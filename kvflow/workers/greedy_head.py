@@ -21,8 +21,9 @@ the first row, as the argmax of the bfloat16 logits gives it (`greedy_head_pairs
 
 `GreedyHead.build(model, tp)` makes it where the LM head's decode products run on the
 bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16) or
-on the pair panels (one rank); `takes(sampling, rows)` says whether a step's rows are all
-plain greedy (no logprobs, penalties, logit bias, min_tokens or grammar masks: those need
+on the pair panels (one rank), and for one-row steps where AMX tiles hold the LM head and
+one row reads their 12-bit pair-panel copy; `takes(sampling, rows)` says whether a step's
+rows are few enough and all plain greedy (no logprobs, penalties, logit bias, min_tokens or grammar masks: those need
 every logit); the model runner then calls it instead of the LM head and the sampler.
 """
 from __future__ import annotations
@@ -45,12 +46,15 @@ _CHUNK = 4096         # rows at a time while computing the bounds (float64 copie
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
         """weight: the LM head's [N, K] (with one rank its rows are the vocabulary): float32
         holding bfloat16 values, as its bfloat16 panels hold them, or bfloat16 (pair panels:
-        bfloat16 x and logits)."""
+        bfloat16 x and logits). max_rows: the most rows a step it takes may have (at most
+        MAX_ROWS): those up to which the LM head's products are the panels' sums."""
         self.lib = cpu_ops.library()
         assert self.lib is not None, cpu_ops.build_error()
+        assert 0 < max_rows <= MAX_ROWS, max_rows
+        self.max_rows = max_rows
         self.weight = weight                     # the model's own tensor: no copy
         self.dtype = weight.dtype                # x's: float32, or bfloat16 (pair panels)
         exact = weight.to(torch.bfloat16).float()
@@ -77,30 +81,35 @@ class GreedyHead:
         """The greedy head of this LM head, or None where its decode products are neither the
         bfloat16 panels under float32 arithmetic nor the pair panels (another kernel sums in
         another order), or its weight is gone (an untied head frees it once packed: only
-        tied embeddings keep it, as the default model's)."""
+        tied embeddings keep it, as the default model's). Beside AMX tiles, whose one-row
+        products read 12-bit pair panels (GemvLinear), it takes steps of one row only."""
         prepared = getattr(lm_head, "prepared", None)
-        layout = prepared.layout if isinstance(prepared, GemvWeight) else None
-        dtype = {"panels": torch.float32, "pairs": torch.bfloat16}.get(layout or "")
+        layout = None
+        if isinstance(prepared, GemvWeight):
+            one_row_amx = prepared.layout == "amx" and prepared.one_row is not None
+            layout = "one row amx" if one_row_amx else prepared.layout
+        dtype = {"panels": torch.float32, "pairs": torch.bfloat16,
+                 "one row amx": torch.bfloat16}.get(layout or "")
         if (tp.size != 1 or dtype is None or lm_head.weight.dtype != dtype
                 or lm_head.weight.dim() != 2 or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
             return None
-        head = cls(lm_head.weight.data)
+        head = cls(lm_head.weight.data, 1 if layout == "one row amx" else MAX_ROWS)
         logger.info("greedy rows read an int8 copy of the LM head (%.0f MB) and compute "
                     "exactly only the rows that may win", head.q.numel() / 1e6)
         return head
 
-    @staticmethod
-    def takes(params: list[Any], masked: bool) -> bool:
-        """Whether every sampled row is plain greedy (nothing else needs the logits)."""
-        return (0 < len(params) <= MAX_ROWS and not masked
+    def takes(self, params: list[Any], masked: bool) -> bool:
+        """Whether the step has at most max_rows rows, each plain greedy (nothing else needs
+        the logits)."""
+        return (0 < len(params) <= self.max_rows and not masked
                 and all(p.greedy and p.logprobs is None and not p.processes_logits
                         for p in params))
 
     def __call__(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax token of each row of hidden [M, K] (the weight's dtype, M <= MAX_ROWS);
+        """The argmax token of each row of hidden [M, K] (the weight's dtype, M <= max_rows);
         None if a row holds an inf or a NaN (the full logits then decide, as they would)."""
         x = hidden.contiguous()
-        assert x.dtype == self.dtype and 0 < x.shape[0] <= MAX_ROWS, (x.dtype, x.shape)
+        assert x.dtype == self.dtype and 0 < x.shape[0] <= self.max_rows, (x.dtype, x.shape)
         m, k = x.shape
         code = self._fn(x.data_ptr(), m, k, self.weight.shape[0], self.q.data_ptr(),
                         self.q_type, self.scales.data_ptr(), self.err.data_ptr(),

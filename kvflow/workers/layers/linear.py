@@ -87,9 +87,10 @@ class GemvWeight(NamedTuple):
     layout: str = "rows"            # row-major; "amx": tiles (kernels/cpu_ops.pack_amx);
                                     # "panels": bfloat16 panels (cpu_ops.pack_panels);
                                     # "pairs": bfloat16 pair panels (cpu_ops.pack_pairs)
-    one_row: torch.Tensor | None = None  # the same panels in 12 bits a weight, lossless
-                                    # (cpu_ops.pack_panels12; "pairs": pack_pairs12), for
-                                    # one-row products ("pairs": up to pairs12_rows rows)
+    one_row: torch.Tensor | None = None  # the same weight in 12 bits, lossless
+                                    # (cpu_ops.pack_panels12; "pairs" and "amx":
+                                    # pack_pairs12), for one-row products ("pairs": up to
+                                    # pairs12_rows rows)
 
 
 class GemvLinear(LinearMethod):
@@ -101,7 +102,11 @@ class GemvLinear(LinearMethod):
     With `pack_amx` (bfloat16 on CPUs with AMX, kernels/cpu_ops.py), each weight it can take
     is held in the tile unit's layout instead, and products of up to `amx_rows` rows go to
     the kernel's AMX path: at 5..32 rows a decode step's linears streamed their weights
-    faster there than in oneDNN's GEMM (benchmarks/cpu_kernels.py --gemv).
+    faster there than in oneDNN's GEMM (benchmarks/cpu_kernels.py --gemv). With
+    `pack_pairs12` too (these CPUs have AVX512-BF16), one-row products read a second copy in
+    12-bit pair panels instead (below): on an Intel Xeon with AMX, 2 threads, that kernel read
+    a decode step's weights at the plain read's speed, and one request's step through the
+    tiles took ~1.8x as long as through 12-bit panels on the same CPU (docs/design.md).
 
     With `stream_dtype` bfloat16 under float32 weights (whose values are bfloat16 already:
     loader.round_weights), the kernel's copy is bfloat16, widened in registers: the same
@@ -153,7 +158,8 @@ class GemvLinear(LinearMethod):
         self.pack_panels = pack_panels if stream_dtype is not None else None
         self.pack_panels12 = pack_panels12 if self.pack_panels is not None else None
         self.pack_pairs = pack_pairs if stream_dtype is None else None
-        self.pack_pairs12 = pack_pairs12 if self.pack_pairs is not None else None
+        self.pack_pairs12 = (pack_pairs12 if self.pack_pairs is not None
+                             or self.pack_amx is not None else None)
         self.pairs12_rows = pairs12_rows if self.pack_pairs12 is not None else 0
 
     @property
@@ -173,7 +179,9 @@ class GemvLinear(LinearMethod):
                             f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
         inner = self.inner.name
         if self.amx_rows:
-            return f"gemv (<= {self.max_rows} rows; AMX <= {self.amx_rows}) + {inner}"
+            one_row = "" if self.pack_pairs12 is None else "; one row: 12-bit pair panels"
+            return (f"gemv (<= {self.max_rows} rows; AMX <= {self.amx_rows}{one_row}) "
+                    f"+ {inner}")
         return f"gemv (<= {self.max_rows} rows{streams}) + {inner}"
 
     def prepare(self, weight: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -189,7 +197,8 @@ class GemvLinear(LinearMethod):
         tiles = (self.pack_amx(weight) if self.pack_amx is not None and packed is not None
                  else None)
         if tiles is not None:
-            return GemvWeight(packed, tiles, layout="amx")
+            one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
+            return GemvWeight(packed, tiles, layout="amx", one_row=one_row)
         stream = self.stream_dtype
         if packed is not None and stream is not None and stream != weight.dtype:
             return GemvWeight(packed, weight.to(stream).contiguous())
@@ -222,7 +231,7 @@ class GemvLinear(LinearMethod):
             if prepared.one_row is not None and (rows == 1 or prepared.layout == "pairs"
                                                  and rows <= self.pairs12_rows):
                 return self.gemv(x, prepared.one_row, None, b,
-                                 layout="pairs12" if prepared.layout == "pairs" else "panels12")
+                                 layout="panels12" if prepared.layout == "panels" else "pairs12")
             return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
 

@@ -108,18 +108,20 @@ def use_panels12() -> bool:
 
 # The same for the pair panels (bfloat16 arithmetic on AVX512-BF16 CPUs without AMX): products
 # of one to a few rows (cpu_ops.pairs12_rows) from a second copy in 12 bits a weight
-# (cpu_ops.pack_pairs12, lossless).
+# (cpu_ops.pack_pairs12, lossless); with AMX, one-row products from such a copy of the
+# weights the tiles hold.
 # None: decided by the CPU; True or False: forced (tests).
 ONE_ROW_PAIRS12: bool | None = None
 
 
 def one_row_pairs12(flags: frozenset[str]) -> bool:
     """Whether products of one to a few rows (cpu_ops.pairs12_rows) read the 12-bit copy of
-    the pair panels: wherever there are pair panels (AVX512-BF16; GemvLinear holds none
-    where AMX takes bfloat16). On an AMD EPYC Zen 5 one request's TPOT in-process 6.6 ->
-    5.9-6.1 ms, through the server 5.55-6.6 -> 4.9-5.4; the 32-request workload, which reads
-    the pair panels, alike within the VM's drift (docs/design.md, "Pair panels"). The copy
-    adds 0.76x the pair panels' memory."""
+    the pair panels: wherever there are pair panels (AVX512-BF16); and, where AMX takes
+    bfloat16 (no pair panels then), whether one-row products read a 12-bit pair-panel copy
+    beside the tiles. On an AMD EPYC Zen 5 one request's TPOT in-process 6.6 -> 5.9-6.1 ms,
+    through the server 5.55-6.6 -> 4.9-5.4; the 32-request workload, which reads the pair
+    panels, alike within the VM's drift (docs/design.md, "Pair panels"). The copy adds 0.76x
+    the pair panels' (or tiles') memory."""
     return "avx512_bf16" in flags
 
 
