@@ -5,7 +5,8 @@ a lent GPU machine's CPU too), each path in its own process, the rounds alternat
 drift in the machine's speed falls on each path alike.
 
 Paths: `auto` (this CPU's defaults), `auto-no12` (without the 12-bit copies one-row products
-read: ops.ONE_ROW_PANELS12 / ONE_ROW_PAIRS12 forced off), `int8`, and this CPU as another x86
+read: ops.ONE_ROW_PANELS12 / ONE_ROW_PAIRS12 forced off; beside AMX tiles that also leaves
+the greedy head out, which needs the copy there), `int8`, and this CPU as another x86
 (cpu_peers.ISA_ENV: kvflow's kernel build and CPU flags, oneDNN, ATen and MKL capped):
 `avx512` (AVX-512 and VNNI without BF16, a Cascade Lake), `avx512-no12`, `avx2`, `avx2-no12`.
 
@@ -45,7 +46,9 @@ SMOLLM2_135M = {
 
 
 def run_path(path: str, model_dir: str, cores: int) -> dict:
-    """In this process (the parent set the environment): TPOT ms and workload tok/s."""
+    """In this process (the parent set the environment), on the first `cores` cores it may
+    use: TPOT ms and workload tok/s."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
     from kvflow import LLM, SamplingParams
     from kvflow.workers.layers import ops
     if path.endswith("-no12"):
@@ -53,7 +56,7 @@ def run_path(path: str, model_dir: str, cores: int) -> dict:
     options = dict(quantization="int8") if path == "int8" else {}
     args = argparse.Namespace(seed=0, prompt_len=(32, 512), output_len=(32, 256))
     prompts, outputs = make_workload(args, SMOLLM2_135M["vocab_size"], 32, "offline")
-    with LLM(model_dir, load_format="dummy", in_process=True, num_threads=cores,
+    with LLM(model_dir, load_format="dummy", device="cpu", in_process=True, num_threads=cores,
              kv_cache_memory_gb=1.0, enable_prefix_caching=False, max_num_seqs=32,
              **options) as llm:                                   # type: ignore[arg-type]
         llm.generate([[5] * 40], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
@@ -108,13 +111,13 @@ def main() -> None:
                            str(args.cores), "--run", path, model_dir]
                 try:
                     done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                          timeout=args.timeout,
-                                          preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                                          timeout=args.timeout)
                     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
                     if done.returncode or not line:
-                        raise RuntimeError(done.stderr.strip().splitlines()[-1:] or "no result")
+                        last = (done.stderr.strip().splitlines() or ["no result"])[-1]
+                        raise RuntimeError(f"exit status {done.returncode}: {last}")
                     result = json.loads(line[-1].removeprefix("RESULT "))
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
                     result = {"error": str(e)}
                 results[path].append(result)
                 shown = (result.get("error") or f"TPOT {result['tpot_ms']:.2f} ms, 32 requests "

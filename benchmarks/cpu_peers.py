@@ -736,9 +736,11 @@ def main() -> None:
                 continue
             kind = weight_kind(name, auto_kind)
             head = hf["vocab_size"] * hf["hidden_size"]
-            # A greedy token on 12-bit panels or pair panels reads the LM head's int8
-            # copy instead (workers/greedy_head.py); these requests are all greedy.
-            nbytes = (params * WEIGHT_BYTES[kind] if kind not in ("panels12", "pairs12") else
+            # A greedy token on 12-bit panels or pair panels (beside AMX tiles too) reads
+            # the LM head's int8 copy instead (workers/greedy_head.py); these requests are
+            # all greedy.
+            nbytes = (params * WEIGHT_BYTES[kind]
+                      if kind not in ("panels12", "pairs12", "amx12") else
                       (params - head) * WEIGHT_BYTES[kind] + head * WEIGHT_BYTES["int8"])
             floor_ms = nbytes / (single_bw * 1e9) * 1e3
             row["read_share"] = floor_ms / row["tpot_ms"]

@@ -67,7 +67,7 @@ if [ "$WHAT" = cpu ]; then
         $PY benchmarks/gemv_stream.py --layout $layout --threads 2 || status=1
     done
     $PY benchmarks/gemv_stream.py --layout panels12 --isa avx512,native --threads 2 || status=1
-    echo "=== benchmarks/cpu_paths.py (in-process, 2 cores, dummy weights of the default model's shape)"
+    echo "=== benchmarks/cpu_paths.py (in-process, 2 cores, dummy weights, the default model's shape)"
     CUDA_VISIBLE_DEVICES= $PY benchmarks/cpu_paths.py "$@" || status=1
 fi
 exit $status

@@ -302,45 +302,46 @@ def test_12_bit_pair_panels_beside_amx_tiles_give_the_pair_panels_tokens_and_log
         default_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """dtype="bfloat16" where AMX takes bfloat16 (its tiles faked: the kernel's AMX path
     never runs here, as every prompt is longer than its 32 rows and one request decodes one
-    row a step): one-row products, fused steps and the LM head, read the 12-bit pair-panel
-    copy kept beside the tiles, and give the tokens and logprobs of the pair-panel engine
-    (no AMX, the same 12-bit copy; prompts of more than 64 tokens, on oneDNN in both), bit
-    for bit; so do plain greedy requests, whose one-row steps the greedy head takes beside
-    the tiles too. Needs a build with AVX512-BF16; elsewhere no copy is made beside the
-    tiles and no greedy head is built there."""
+    row a step): one-row products read the 12-bit pair-panel copy kept beside the tiles, and
+    the fused steps give the tokens and logprobs of the model's own forward
+    (`enforce_eager`) and of the pair-panel engine (no AMX, the same 12-bit copy; prompts of
+    more than 64 tokens, on oneDNN in both), bit for bit; so do plain greedy requests, whose
+    one-row steps the greedy head takes beside the tiles too. Needs a build with
+    AVX512-BF16; elsewhere no copy is made beside the tiles and no greedy head is built."""
     import random
     from kvflow.kernels import cpu_ops
-    from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvWeight
-    here = ops.pair_panels()
+    here = cpu_ops.pairs_available()               # AVX512-BF16 in this build
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(70, 120))]
                for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = []
-    for amx in (True, False) if here else (True,):
+    for amx, eager in ((True, False), (True, True), (False, False)) if here else ((True, False),):
         with monkeypatch.context() as patch:
-            if amx:
-                patch.setattr(cpu_ops, "gemv_amx_rows", lambda: 32)
+            patch.setattr(cpu_ops, "gemv_amx_rows", lambda: 32 if amx else 0)
             with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2,
-                     dtype="bfloat16", cpu_prefill_copy="on",
+                     dtype="bfloat16", cpu_prefill_copy="on", enforce_eager=eager,
                      enable_prefix_caching=False) as llm:     # whole prompts each time
                 run = runner(llm)
                 prepared = [m.prepared for m in run.model.modules()
                             if isinstance(getattr(m, "prepared", None), GemvWeight)]
+                assert run.greedy is None or here
+                if not here:
+                    assert all(p.one_row is None for p in prepared)
+                    continue
                 layout = [p for p in prepared if p.layout == ("amx" if amx else "pairs")]
                 assert len(layout) == 4 * 30 + 1                    # 30 layers + LM head
-                assert all((p.one_row is not None) == here for p in layout)
-                assert run.fused is not None and run.fused.max_tokens == 32
-                assert (run.greedy is not None) == here
-                if here:
-                    assert run.greedy.max_rows == (1 if amx else 8)
-                    outs.append([llm.generate([p], params, use_tqdm=False)[0]
-                                 for p in prompts]
-                                + [llm.generate([p], GREEDY, use_tqdm=False)[0]
-                                   for p in prompts])
+                assert all(p.one_row is not None for p in layout)
+                assert (run.fused is None) == eager            # eager: no fused step, no head
+                assert eager or run.fused.max_tokens == 32     # type: ignore[union-attr]
+                assert (run.greedy is None) == eager
+                assert eager or run.greedy.max_rows == (1 if amx else 8)  # type: ignore[union-attr]
+                outs.append([llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+                            + [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts])
+    for other in outs[1:]:
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in other]
+        assert [o.logprobs for o in outs[0]] == [o.logprobs for o in other]
     if here:
-        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
-        assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]
         tokens = [o.token_ids for o in outs[0]]      # the head's = the full logits' argmax
         assert tokens[3:] == tokens[:3]

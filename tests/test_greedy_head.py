@@ -237,9 +237,10 @@ def test_engine_tokens_with_and_without_the_head(default_model: str,
 
 
 def test_engine_tokens_with_and_without_the_pair_panels_head(default_model: str) -> None:
-    """dtype="bfloat16": where the LM head is pair panels (AVX512-BF16, no AMX) the head is
-    built for them and used for a request alone, and its tokens equal the full LM head's;
-    elsewhere none is built for a bfloat16 head on another kernel."""
+    """dtype="bfloat16": where the LM head is pair panels (AVX512-BF16, no AMX), or AMX tiles
+    whose one-row products read 12-bit pair panels, the head is built for them (for one-row
+    steps only beside the tiles) and used for a request alone, and its tokens equal the full
+    LM head's; elsewhere none is built for a bfloat16 head on another kernel."""
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time,"]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2, dtype="bfloat16") as llm:
@@ -247,11 +248,12 @@ def test_engine_tokens_with_and_without_the_pair_panels_head(default_model: str)
         assert isinstance(llm.engine, InProcessEngine)
         runner = llm.engine.worker.runner
         head = runner.greedy
-        paired = runner.model.lm_head.prepared.layout == "pairs"
-        assert (head is not None) == paired
+        prepared = runner.model.lm_head.prepared
+        tiles = prepared.layout == "amx" and prepared.one_row is not None
+        assert (head is not None) == (prepared.layout == "pairs" or tiles)
         if head is None:
             return
-        assert head.dtype == torch.bfloat16
+        assert head.dtype == torch.bfloat16 and head.max_rows == (1 if tiles else MAX_ROWS)
         on = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
         runner.greedy = None
         off = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]

@@ -30,7 +30,6 @@ enum { D_F32 = 0, D_BF16 = 1, D_I8 = 2 };
 int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wtype,
          const float *scales, const float *in_scale, const float *bias, int64_t N, int64_t K,
          void *out, int otype, int64_t ldo);
-int gemv_pairs12_rows(void);
 int store_kv(const char *src, int64_t token_stride, int64_t head_stride, const int64_t *slots,
              int64_t num_tokens, int64_t heads, int64_t row_bytes, int64_t num_slots,
              char *cache);
@@ -92,8 +91,11 @@ typedef struct {
     const float *bias;            /* float32, or NULL */
     int32_t type;                 /* D_F32, D_BF16, D_I8, or a packed layout's (3 to 7) */
     int64_t n, k;
-    const void *one_row;          /* w in 12 bits (cpu_gemv.c: type 8 for pair panels, up to
-                                   * gemv_pairs12_rows() rows; else 6, one row), or NULL */
+    const void *one_row;          /* w in 12 bits, read by steps of up to one_row_rows
+                                   * tokens instead: one_row_type 6 (beside panels) or 8
+                                   * (beside pair panels or AMX tiles); or NULL */
+    int32_t one_row_type;
+    int64_t one_row_rows;
     /* int8 on kvflow's GEMM (no AMX-INT8): the smoothed weights packed for i8_gemm (or
      * NULL), their compensation and scales (padded to 16; bias too), used past gemv_rows
      * tokens. */
@@ -152,11 +154,8 @@ static int linear(const DecodeStep *s, const Linear *l, const void *x, void *out
         return i8_gemm(s->xq, l->k, s->num_tokens, l->k, l->gemm, l->gemm_comp, l->n,
                        l->gemm_scales, s->xscales, l->bias, out, l->n, s->dtype == D_BF16);
     }
-    /* 12-bit: pair panels' (8: beside pair panels, a few rows; beside AMX tiles, one row)
-     * or panels' (6, one row) */
-    if (l->one_row != NULL
-        && (s->num_tokens == 1 || (l->type == 7 && s->num_tokens <= gemv_pairs12_rows())))
-        return gemv(x, s->dtype, l->k, s->num_tokens, l->one_row, l->type == 4 ? 6 : 8,
+    if (l->one_row != NULL && s->num_tokens <= l->one_row_rows)     /* the 12-bit copy */
+        return gemv(x, s->dtype, l->k, s->num_tokens, l->one_row, l->one_row_type,
                     l->scales, l->in_scale, l->bias, l->n, l->k, out, s->dtype, l->n);
     return gemv(x, s->dtype, l->k, s->num_tokens, l->w, l->type, l->scales, l->in_scale,
                 l->bias, l->n, l->k, out, s->dtype, l->n);

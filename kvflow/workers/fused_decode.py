@@ -31,7 +31,8 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 class _Linear(ctypes.Structure):
     _fields_ = [("w", _ptr), ("scales", _ptr), ("in_scale", _ptr), ("bias", _ptr),
                 ("type", _i32), ("n", _i64), ("k", _i64), ("one_row", _ptr),
-                ("gemm", _ptr), ("gemm_comp", _ptr), ("gemm_scales", _ptr), ("gemv_rows", _i64)]
+                ("one_row_type", _i32), ("one_row_rows", _i64), ("gemm", _ptr),
+                ("gemm_comp", _ptr), ("gemm_scales", _ptr), ("gemv_rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -139,6 +140,8 @@ class FusedDecode:
         return _Linear(weight.data_ptr(), ptr(operands.scales), ptr(operands.in_scale),
                        ptr(bias), cpu_ops.gemv_type(weight, operands.layout), weight.shape[0],
                        weight.shape[1], ptr(operands.one_row),
+                       cpu_ops.GEMV_LAYOUTS.get(operands.one_row_layout, 0),
+                       operands.one_row_rows,
                        None if gemm is None else gemm.packed.data_ptr(),
                        None if gemm is None else gemm.comp.data_ptr(),
                        None if gemm is None else gemm.scales.data_ptr(),

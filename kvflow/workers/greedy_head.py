@@ -23,8 +23,9 @@ the first row, as the argmax of the bfloat16 logits gives it (`greedy_head_pairs
 bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16) or
 on the pair panels (one rank), and for one-row steps where AMX tiles hold the LM head and
 one row reads their 12-bit pair-panel copy; `takes(sampling, rows)` says whether a step's
-rows are few enough and all plain greedy (no logprobs, penalties, logit bias, min_tokens or grammar masks: those need
-every logit); the model runner then calls it instead of the LM head and the sampler.
+rows are few enough and all plain greedy (no logprobs, penalties, logit bias, min_tokens or
+grammar masks: those need every logit); the model runner then calls it instead of the LM
+head and the sampler.
 """
 from __future__ import annotations
 
@@ -66,10 +67,10 @@ class GreedyHead:
         self.q_type = cpu_ops.gemv_type(self.q, "panels" if panels is not None else "rows")
         self.last_candidates: list[int] = []     # rows computed exactly, per row (benchmarks)
         n = weight.shape[0]                      # scratch, kept (no allocation per step)
-        self._approx = torch.empty(MAX_ROWS, n, dtype=torch.float32)
+        self._approx = torch.empty(max_rows, n, dtype=torch.float32)
         self._cand = torch.empty(n, dtype=torch.int64)
-        self._out = torch.empty(MAX_ROWS, dtype=torch.int64)
-        self._counts = torch.empty(MAX_ROWS, dtype=torch.int64)
+        self._out = torch.empty(max_rows, dtype=torch.int64)
+        self._counts = torch.empty(max_rows, dtype=torch.int64)
         fn = self.lib.greedy_head_pairs if self.dtype == torch.bfloat16 else self.lib.greedy_head
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -84,16 +85,18 @@ class GreedyHead:
         tied embeddings keep it, as the default model's). Beside AMX tiles, whose one-row
         products read 12-bit pair panels (GemvLinear), it takes steps of one row only."""
         prepared = getattr(lm_head, "prepared", None)
-        layout = None
-        if isinstance(prepared, GemvWeight):
-            one_row_amx = prepared.layout == "amx" and prepared.one_row is not None
-            layout = "one row amx" if one_row_amx else prepared.layout
-        dtype = {"panels": torch.float32, "pairs": torch.bfloat16,
-                 "one row amx": torch.bfloat16}.get(layout or "")
-        if (tp.size != 1 or dtype is None or lm_head.weight.dtype != dtype
+        if not isinstance(prepared, GemvWeight):
+            return None
+        # Rows whose products are the panels' or pair panels' sums: any number on those, the
+        # 12-bit copy's beside AMX tiles (which sum in another order).
+        rows, dtype = {"panels": (MAX_ROWS, torch.float32),
+                       "pairs": (MAX_ROWS, torch.bfloat16),
+                       "amx": (prepared.one_row_rows if prepared.one_row is not None else 0,
+                               torch.bfloat16)}.get(prepared.layout, (0, None))
+        if (tp.size != 1 or rows == 0 or lm_head.weight.dtype != dtype
                 or lm_head.weight.dim() != 2 or lm_head.method.gemv_rows(prepared) < MAX_ROWS):
             return None
-        head = cls(lm_head.weight.data, 1 if layout == "one row amx" else MAX_ROWS)
+        head = cls(lm_head.weight.data, min(rows, MAX_ROWS))
         logger.info("greedy rows read an int8 copy of the LM head (%.0f MB) and compute "
                     "exactly only the rows that may win", head.q.numel() / 1e6)
         return head

@@ -72,7 +72,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None   # set by capture_cuda_graphs (CUDA only)
         self.fused: FusedDecode | None = None     # decode steps in one C call (CPU only)
         # Steps whose rows are all plain greedy: their tokens without the whole LM head
-        # (workers/greedy_head.py; CPU, bfloat16 panels or pair panels).
+        # (workers/greedy_head.py; CPU, bfloat16 panels or pair panels, or one-row steps
+        # beside AMX tiles).
         self.greedy: GreedyHead | None = None
         self.is_driver = is_driver         # rank 0: samples and replies
         self.device = device

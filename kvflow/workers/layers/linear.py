@@ -87,10 +87,11 @@ class GemvWeight(NamedTuple):
     layout: str = "rows"            # row-major; "amx": tiles (kernels/cpu_ops.pack_amx);
                                     # "panels": bfloat16 panels (cpu_ops.pack_panels);
                                     # "pairs": bfloat16 pair panels (cpu_ops.pack_pairs)
-    one_row: torch.Tensor | None = None  # the same weight in 12 bits, lossless
-                                    # (cpu_ops.pack_panels12; "pairs" and "amx":
-                                    # pack_pairs12), for one-row products ("pairs": up to
-                                    # pairs12_rows rows)
+    one_row: torch.Tensor | None = None  # the same weight in 12 bits, lossless, which
+                                    # products of up to one_row_rows rows read instead:
+    one_row_layout: str = ""        # "panels12" (cpu_ops.pack_panels12) beside "panels",
+                                    # "pairs12" (pack_pairs12) beside "pairs" and "amx"
+    one_row_rows: int = 0           # 1; beside "pairs", cpu_ops.pairs12_rows()
 
 
 class GemvLinear(LinearMethod):
@@ -198,7 +199,7 @@ class GemvLinear(LinearMethod):
                  else None)
         if tiles is not None:
             one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
-            return GemvWeight(packed, tiles, layout="amx", one_row=one_row)
+            return GemvWeight(packed, tiles, "amx", one_row, "pairs12", 1)
         stream = self.stream_dtype
         if packed is not None and stream is not None and stream != weight.dtype:
             return GemvWeight(packed, weight.to(stream).contiguous())
@@ -211,14 +212,14 @@ class GemvLinear(LinearMethod):
             pairs = self.pack_pairs(weight)
             if pairs is not None:
                 one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
-                return GemvWeight(None, pairs, layout="pairs", one_row=one_row)
+                return GemvWeight(None, pairs, "pairs", one_row, "pairs12", self.pairs12_rows)
         if self.pack_panels is not None and self.stream_dtype != weight.dtype:
             narrow = weight.to(self.stream_dtype).contiguous()
             panels = self.pack_panels(narrow)
             if panels is not None:
                 one_row = (self.pack_panels12(narrow) if self.pack_panels12 is not None
                            else None)
-                return GemvWeight(None, panels, layout="panels", one_row=one_row)
+                return GemvWeight(None, panels, "panels", one_row, "panels12", 1)
         return None
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
@@ -228,10 +229,8 @@ class GemvLinear(LinearMethod):
         if x.numel() <= self.gemv_rows(prepared) * x.shape[-1]:
             b = None if bias is None else bias.float()
             rows = x.numel() // x.shape[-1]
-            if prepared.one_row is not None and (rows == 1 or prepared.layout == "pairs"
-                                                 and rows <= self.pairs12_rows):
-                return self.gemv(x, prepared.one_row, None, b,
-                                 layout="panels12" if prepared.layout == "panels" else "pairs12")
+            if prepared.one_row is not None and rows <= prepared.one_row_rows:
+                return self.gemv(x, prepared.one_row, None, b, layout=prepared.one_row_layout)
             return self.gemv(x, prepared.plain, None, b, layout=prepared.layout)
         return self.inner.apply(x, prepared.plain, prepared.packed, bias)
 
@@ -263,15 +262,17 @@ class GemvOperands(NamedTuple):
     scales: torch.Tensor | None          # int8: float32 per output row
     in_scale: torch.Tensor | None        # float32 per input feature (int8 with SmoothQuant)
     layout: str = "rows"                 # row-major, or GemvWeight.layout's other layouts
-    one_row: torch.Tensor | None = None  # GemvWeight.one_row: for one row, 12-bit panels
-                                         # (layout "panels") or pair panels ("pairs")
+    one_row: torch.Tensor | None = None  # GemvWeight.one_row: 12-bit panels or pair panels,
+    one_row_layout: str = ""             # read by products of up to one_row_rows rows
+    one_row_rows: int = 0
 
 
 def gemv_operands(prepared: Any) -> GemvOperands | None:
     """The gemv kernel's operands of a prepared weight (kernels/cpu_gemv.c; the fused decode
     path, workers/fused_decode.py), or None when it keeps none."""
     if isinstance(prepared, GemvWeight):
-        return GemvOperands(prepared.plain, None, None, prepared.layout, prepared.one_row)
+        return GemvOperands(prepared.plain, None, None, prepared.layout, prepared.one_row,
+                            prepared.one_row_layout, prepared.one_row_rows)
     if isinstance(prepared, Int8Weight) and prepared.rows is not None:
         return GemvOperands(prepared.rows, prepared.row_scales, prepared.in_scale,
                             prepared.layout)

@@ -59,9 +59,10 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 # overhead it removes outweighs a slower gemv up to there (benchmarks/cpu_kernels.py). Where
 # every linear runs more rows on the gemv kernel (LinearMethod.gemv_rows), the fused path
 # takes steps of that many tokens, up to FUSED_MAX_TOKENS_WIDE:
-# - bfloat16 in AMX tiles (CPUs with AMX, `GemvLinear`): the kernel streams at the memory's
-#   speed up to 32 rows (a 32-request decode step: 559.6 tok/s against 478.8 with the limit
-#   at 8, in-process, the cpu_peers workload);
+# - bfloat16 in AMX tiles (CPUs with AMX, `GemvLinear`): the kernel streams the tiles up to
+#   32 rows (a 32-request decode step: 559.6 tok/s against 478.8 with the limit at 8,
+#   in-process, the cpu_peers workload; one row reads their 12-bit pair-panel copy instead,
+#   one_row_pairs12);
 # - bfloat16 weights under float32 arithmetic (dtype="auto" without AVX512-BF16/AMX): the
 #   kernel reads half the bytes of oneDNN's float32 copy: a decode step's linears (the
 #   default model, 2 threads, AVX-512 and AVX2 builds) took 12-14 / 24-32 / 36-50 / 45-62 ms
