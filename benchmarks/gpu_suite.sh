@@ -8,7 +8,8 @@
 #     bash benchmarks/gpu_suite.sh cpu      # not in `all`: kvflow's CPU paths on the machine's
 #                                           # CPU (on the lent machines an Intel Xeon with AMX),
 #                                           # on 2 of its cores: gemv_stream.py's layouts, then
-#                                           # cpu_paths.py (more arguments go to it)
+#                                           # cpu_paths.py (more arguments go to it;
+#                                           # ~7 minutes there: `cpu --rounds 1` for ~4)
 #
 # On the lent GPU machine a command may run 10 minutes: run `tests`, `bench` and `cpu` as
 # separate calls.
