@@ -939,6 +939,18 @@ def test_gemv_linear_reads_12_bit_pair_panels_for_one_row(kernels: str) -> None:
     method.apply(torch.randn(1, 64).bfloat16(), w, prepared)
     method.apply(torch.randn(2, 64).bfloat16(), w, prepared)
     assert calls == ["pairs12", "pairs"]
+    # As the engine builds it: up to pairs12_rows() rows read the copy, the same bits.
+    rows = cpu_ops.pairs12_rows()
+    few = GemvLinear(cpu_ops.gemv, inner, 4, pack_pairs=cpu_ops.pack_pairs,
+                     pack_pairs12=cpu_ops.pack_pairs12, pairs12_rows=rows)
+    wide = few.prepare(w)
+    assert wide.one_row_layout == "pairs12" and wide.one_row_rows == rows > 1
+    calls.clear()
+    few.gemv = lambda *a, layout="rows": calls.append(layout) or cpu_ops.gemv(*a, layout=layout)
+    for m in range(1, rows + 2):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(few.apply(x, w, wide, bias), plain.apply(x, w, reference, bias))
+    assert calls == ["pairs12"] * rows + ["pairs"]
 
 
 def test_gemv_linear_beside_amx_tiles_reads_12_bit_pair_panels_for_one_row(

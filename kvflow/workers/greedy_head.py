@@ -22,7 +22,7 @@ the first row, as the argmax of the bfloat16 logits gives it (`greedy_head_pairs
 `GreedyHead.build(model, tp)` makes it where the LM head's decode products run on the
 bfloat16 panels under float32 arithmetic (the `auto` dtype on CPUs without AVX512-BF16) or
 on the pair panels (one rank), and for one-row steps where AMX tiles hold the LM head and
-one row reads their 12-bit pair-panel copy; `takes(sampling, rows)` says whether a step's
+one row reads their 12-bit pair-panel copy; `takes(params, masked)` says whether a step's
 rows are few enough and all plain greedy (no logprobs, penalties, logit bias, min_tokens or
 grammar masks: those need every logit); the model runner then calls it instead of the LM
 head and the sampler.
@@ -112,7 +112,9 @@ class GreedyHead:
         """The argmax token of each row of hidden [M, K] (the weight's dtype, M <= max_rows);
         None if a row holds an inf or a NaN (the full logits then decide, as they would)."""
         x = hidden.contiguous()
-        assert x.dtype == self.dtype and 0 < x.shape[0] <= self.max_rows, (x.dtype, x.shape)
+        if x.dtype != self.dtype or not 0 < x.shape[0] <= self.max_rows:  # its scratch's rows
+            raise ValueError(f"greedy head: {x.shape[0]} rows of {x.dtype}, it takes 1 to "
+                             f"{self.max_rows} of {self.dtype}")
         m, k = x.shape
         code = self._fn(x.data_ptr(), m, k, self.weight.shape[0], self.q.data_ptr(),
                         self.q_type, self.scales.data_ptr(), self.err.data_ptr(),

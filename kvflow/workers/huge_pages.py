@@ -127,8 +127,8 @@ def move_decode_weights(model: nn.Module) -> int:
 
     from kvflow.workers.layers.linear import GemvWeight, Int8Weight
 
-    # The 12-bit copies (read by one-row steps only) in an arena of their own, so that the
-    # panels every larger step streams lie together.
+    # The 12-bit copies (read by steps of up to GemvWeight.one_row_rows rows) in an arena of
+    # their own, so that the panels every larger step streams lie together.
     arenas, moved = {"plain": Arena(), "rows": Arena(), "one_row": Arena(), "gemm": Arena()}, 0
     for module in model.modules():
         prepared: Any = getattr(module, "prepared", None)

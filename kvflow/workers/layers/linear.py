@@ -91,7 +91,8 @@ class GemvWeight(NamedTuple):
                                     # products of up to one_row_rows rows read instead:
     one_row_layout: str = ""        # "panels12" (cpu_ops.pack_panels12) beside "panels",
                                     # "pairs12" (pack_pairs12) beside "pairs" and "amx"
-    one_row_rows: int = 0           # 1; beside "pairs", cpu_ops.pairs12_rows()
+    one_row_rows: int = 0           # 1; beside "pairs", GemvLinear.pairs12_rows (the
+                                    # engine's: cpu_ops.pairs12_rows())
 
 
 class GemvLinear(LinearMethod):
