@@ -85,6 +85,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(auto: while it takes at most an eighth of the RAM available "
                              "at load, a rank's share of it; off: the panels take every "
                              "product)")
+    parser.add_argument("--cpu-one-row-copy", default="auto", choices=["auto", "on", "off"],
+                        help="CPU: whether the weights held in panels, pair panels or AMX "
+                             "tiles get a second copy in 12 bits a weight (lossless, 1.5 "
+                             "bytes a parameter), which one request's decode steps read: a "
+                             "fifth or more off its time a token (auto: while it takes at "
+                             "most an eighth of the RAM available at load, a rank's share)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="int8: int8 linear weights on CPU (per output channel): "
                              "products of up to 4 rows (one user's decode steps; 8 on "

@@ -5,8 +5,8 @@ a lent GPU machine's CPU too), each path in its own process, the rounds alternat
 drift in the machine's speed falls on each path alike.
 
 Paths: `auto` (this CPU's defaults), `auto-no12` (without the 12-bit copies one-row products
-read: ops.ONE_ROW_PANELS12 / ONE_ROW_PAIRS12 forced off; beside AMX tiles that also leaves
-the greedy head out, which needs the copy there), `int8`, and this CPU as another x86
+read: cpu_one_row_copy="off"; beside AMX tiles that also leaves the greedy head out, which
+needs the copy there), `int8`, and this CPU as another x86
 (cpu_peers.ISA_ENV: kvflow's kernel build and CPU flags, oneDNN, ATen and MKL capped):
 `avx512` (AVX-512 and VNNI without BF16, a Cascade Lake), `avx512-no12`, `avx2`, `avx2-no12`.
 
@@ -50,10 +50,9 @@ def run_path(path: str, model_dir: str, cores: int) -> dict:
     use: TPOT ms and workload tok/s."""
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
     from kvflow import LLM, SamplingParams
-    from kvflow.workers.layers import ops
-    if path.endswith("-no12"):
-        ops.ONE_ROW_PANELS12 = ops.ONE_ROW_PAIRS12 = False
     options = dict(quantization="int8") if path == "int8" else {}
+    if path.endswith("-no12"):
+        options["cpu_one_row_copy"] = "off"
     args = argparse.Namespace(seed=0, prompt_len=(32, 512), output_len=(32, 256))
     prompts, outputs = make_workload(args, SMOLLM2_135M["vocab_size"], 32, "offline")
     with LLM(model_dir, load_format="dummy", device="cpu", in_process=True, num_threads=cores,

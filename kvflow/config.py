@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8")
-PREFILL_COPY = ("auto", "on", "off")
+COPY_OPTIONS = ("auto", "on", "off")     # cpu_prefill_copy, cpu_one_row_copy
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 FLASH_ATTN_BLOCK_SIZE = 256        # flash-attn's paged KV API wants blocks of a multiple of this
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -113,8 +113,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
     # CPU: oneDNN's own copy of the weights the gemv kernel holds in panels, for prompt-sized
     # products: "auto" (while it takes at most an eighth of the RAM available), "on", "off"
-    # (layers/ops.py prefill_copy)
+    # (layers/ops.py keep_copy); the 12-bit copy of the weights one request's decode steps
+    # read (1.5 bytes a parameter): "auto" (likewise), "on", "off"
     cpu_prefill_copy: str = "auto"
+    cpu_one_row_copy: str = "auto"
     # Self-healing (kvflow/frontend/supervisor.py): a step unfinished after step_timeout
     # (+ a share scaled by its tokens) is a hung worker; EngineCore silent that long is hung;
     # the frontend restarts a dead or hung engine up to max_engine_restarts times in
@@ -217,6 +219,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_utilization: float = 0.9
     quantization: str | None = None       # "int8": W8A8 linears, CPU only
     cpu_prefill_copy: str = "auto"        # or "on", "off": oneDNN's copy for prompts (CPU)
+    cpu_one_row_copy: str = "auto"        # or "on", "off": 12-bit weights for one request (CPU)
     nnodes: int = 1                       # multi-node tensor parallelism (docs/deploy.md)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -271,9 +274,9 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         raise ValueError(f"kv_cache_dtype='int8' needs the cpu attention backend (kvflow's C "
                          f"kernels on CPU); got device={o.device!r}, attention_backend="
                          f"{o.attention_backend!r}")
-    if o.cpu_prefill_copy not in PREFILL_COPY:
-        raise ValueError(f"cpu_prefill_copy={o.cpu_prefill_copy!r} must be one of "
-                         f"{PREFILL_COPY}")
+    for name in ("cpu_prefill_copy", "cpu_one_row_copy"):
+        if getattr(o, name) not in COPY_OPTIONS:
+            raise ValueError(f"{name}={getattr(o, name)!r} must be one of {COPY_OPTIONS}")
     if o.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={o.quantization!r} must be one of {QUANTIZATIONS}")
     if o.quantization == "int8" and o.device == "cuda":
@@ -321,7 +324,7 @@ def make_engine_config(model_path: str, options: EngineOptions | None = None,
         seed=o.seed, attention_backend=o.attention_backend, num_threads=o.num_threads,
         device=o.device,
         enforce_eager=bool(o.enforce_eager), quantization=o.quantization,
-        cpu_prefill_copy=o.cpu_prefill_copy,
+        cpu_prefill_copy=o.cpu_prefill_copy, cpu_one_row_copy=o.cpu_one_row_copy,
         step_timeout=float(o.step_timeout), max_engine_restarts=o.max_engine_restarts,
         grammar_compile_timeout=float(o.grammar_compile_timeout), speculative=speculative)
 

@@ -86,6 +86,7 @@ def test_model_folder_without_weights(default_model: str, tmp_path: os.PathLike)
     (dict(load_format="pickle"), "load_format='pickle'"),
     (dict(quantization="int4"), "quantization='int4' must be one of"),
     (dict(cpu_prefill_copy="yes"), "cpu_prefill_copy='yes' must be one of"),
+    (dict(cpu_one_row_copy="no"), "cpu_one_row_copy='no' must be one of"),
     (dict(quantization="int8", device="cuda"), "quantization='int8' runs on CPU"),
 ])
 def test_bad_engine_arguments(default_model: str, kwargs: dict, message: str) -> None:

@@ -106,10 +106,9 @@ def test_cpu_prefill_copy_auto_follows_the_ram(default_model: str,
     most an eighth of the RAM available at load (the default model's float32 copy: ~0.5 GB),
     else the panels take every product; "on" keeps it whatever the RAM."""
     from kvflow.workers import worker as worker_module
-    from kvflow.workers.layers.ops import prefill_copy
-    assert prefill_copy("auto", 1 << 30, 8 << 30) and not prefill_copy("auto", (1 << 30) + 1,
-                                                                        8 << 30)
-    assert prefill_copy("on", 1 << 40, 0) and not prefill_copy("off", 0, 1 << 40)
+    from kvflow.workers.layers.ops import keep_copy
+    assert keep_copy("auto", 1 << 30, 8 << 30) and not keep_copy("auto", (1 << 30) + 1, 8 << 30)
+    assert keep_copy("on", 1 << 40, 0) and not keep_copy("off", 0, 1 << 40)
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
                                              device="cpu", **kw)
@@ -122,6 +121,30 @@ def test_cpu_prefill_copy_auto_follows_the_ram(default_model: str,
         assert worker.ops.linear.gemm_copy == (down.packed is not None)
         kept[(available_gb, option)] = worker.ops.linear.gemm_copy
     assert kept == {(64, "auto"): True, (2, "auto"): False, (2, "on"): True}
+
+
+def test_cpu_one_row_copy_follows_the_option_and_the_ram(default_model: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_one_row_copy: "auto" makes the 12-bit copy of the paneled weights while it takes
+    at most an eighth of the RAM available at load (the default model's: ~0.2 GB), "on"
+    whatever the RAM, "off" never (one-row steps then read the panels); the linear's name
+    says which."""
+    from kvflow.workers import worker as worker_module
+    monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
+    config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
+                                             device="cpu", **kw)
+    made = {}
+    for available_gb, option in ((64, "auto"), (1, "auto"), (1, "on"), (64, "off")):
+        monkeypatch.setattr(worker_module, "available_memory_bytes",
+                            lambda gb=available_gb: gb << 30)
+        worker = Worker(config(cpu_one_row_copy=option))
+        linear = worker.ops.linear
+        down = worker.model.model.layers[0].mlp.down_proj.prepared
+        assert down.layout == "panels" and linear.one_row_copy == (down.one_row is not None)
+        assert ("12-bit" in linear.name) == linear.one_row_copy
+        made[(available_gb, option)] = linear.one_row_copy
+    assert made == {(64, "auto"): True, (1, "auto"): False, (1, "on"): True,
+                    (64, "off"): False}
 
 
 def test_kv_cache_dtype_option(default_model: str) -> None:

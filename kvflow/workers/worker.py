@@ -30,7 +30,7 @@ from kvflow.workers.hardware import DTYPE_NAMES, resolve_dtype
 from kvflow.workers.kv_cache import KVCache
 from kvflow.workers.layers.linear import GemvLinear, OneDnnLinear
 from kvflow.workers.layers.ops import (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_WIDE, Ops, choose_ops,
-                                     prefill_copy)
+                                     keep_copy)
 from kvflow.workers.layers.parallel import TPGroup
 from kvflow.workers.loader import init_dummy, load_safetensors, round_weights
 from kvflow.workers.model_runner import ModelRunner
@@ -166,38 +166,49 @@ class Worker:
             pairs = model.smoothing_pairs()
             ids = calibration_ids(model_cfg.path, model_cfg.vocab_size)
             smooth(pairs, input_absmax(model, kv_cache, [p.consumer for p in pairs], ids))
-        self._decide_prefill_copy(model)
+        self._decide_copies(model)
         model.finish_loading()
         if self.device.type == "cpu":
             huge_pages.move_decode_weights(model)
         return model.eval()
 
-    def _decide_prefill_copy(self, model: LlamaForCausalLM) -> None:
-        """Whether oneDNN keeps a copy of the weights the gemv kernel holds in panels, for
-        prompts (cpu_prefill_copy; layers/ops.py prefill_copy), decided once, for the target
-        model (a draft model follows it), before its weights are prepared: "auto" weighs
-        this rank's weights (all the method holds: an upper bound) against its share of the
-        node's available RAM, and the ranks agree (all keep it, or none)."""
+    def _decide_copies(self, model: LlamaForCausalLM) -> None:
+        """Which copies of the weights that only speed a path up are kept (layers/ops.py
+        keep_copy), decided once, for the target model (a draft model follows it), before
+        its weights are prepared: oneDNN's copy of the weights held in panels, for prompts
+        (cpu_prefill_copy), and the 12-bit copy one request's decode steps read
+        (cpu_one_row_copy). "auto" weighs this rank's weights (all the method holds: an upper
+        bound) against its share of the node's available RAM; the ranks agree (all keep a
+        copy, or none)."""
         linear = self.ops.linear
         if not isinstance(linear, GemvLinear) or linear.gemm_copy is not None:
             return
-        if not linear.holds_panels or not isinstance(linear.inner, OneDnnLinear):
-            linear.gemm_copy = False                 # nothing paneled, or no oneDNN to copy for
-            return
         weights = {id(m.weight): m.weight.numel() for m in model.modules()
                    if getattr(m, "method", None) is linear and isinstance(m.weight, torch.Tensor)}
-        copy_bytes = sum(weights.values()) * self.dtype.itemsize
+        params = sum(weights.values())
         share = available_memory_bytes() // self.config.parallel.ranks_per_node
-        keep = prefill_copy(self.config.cpu_prefill_copy, copy_bytes, share)
+        # nothing paneled, or no oneDNN to copy for: no copy to keep
+        prefill = linear.holds_panels and isinstance(linear.inner, OneDnnLinear)
+        keep = [prefill and keep_copy(self.config.cpu_prefill_copy,
+                                      params * self.dtype.itemsize, share),
+                linear.makes_one_row_copies and keep_copy(self.config.cpu_one_row_copy,
+                                                          params * 3 // 2, share)]
         if self.tp.size > 1:
-            keep = int(self.tp.all_reduce(torch.tensor([float(keep)])).item()) == self.tp.size
-        linear.gemm_copy = keep
-        if self.tp.rank == 0:
+            votes = self.tp.all_reduce(torch.tensor([float(k) for k in keep]))
+            keep = [int(v) == self.tp.size for v in votes.tolist()]
+        linear.gemm_copy, linear.one_row_copy = keep
+        if self.tp.rank != 0:
+            return
+        if prefill:
             logger.info("cpu_prefill_copy=%s: oneDNN's copy of the paneled weights for prompts "
                         "%s (%.2f GB a rank; %.1f GB of RAM available a rank)",
                         self.config.cpu_prefill_copy,
-                        "kept" if keep else "not kept: the panels take every product",
-                        copy_bytes / 1e9, share / 1e9)
+                        "kept" if keep[0] else "not kept: the panels take every product",
+                        params * self.dtype.itemsize / 1e9, share / 1e9)
+        if linear.makes_one_row_copies:
+            logger.info("cpu_one_row_copy=%s: the 12-bit copy of the weights for one request's "
+                        "decode steps %s (%.2f GB a rank at most)", self.config.cpu_one_row_copy,
+                        "kept" if keep[1] else "not made", params * 1.5 / 1e9)
 
     def _build_drafter(self) -> Drafter | None:
         """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own

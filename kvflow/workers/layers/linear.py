@@ -117,7 +117,7 @@ class GemvLinear(LinearMethod):
     and, unless `gemm_copy`, the panels take every product, prefill too, and `inner` keeps no
     copy (`packed` None): 2 bytes a parameter (3.5 with the 12-bit copy below) where
     oneDNN's float32 copy adds 4. With `gemm_copy` it keeps one, and products of more than
-    `copy_rows` rows run there (layers/ops.py prefill_copy decides; the two compared:
+    `copy_rows` rows run there (layers/ops.py keep_copy decides; the two compared:
     docs/design.md, "oneDNN's copy for prompts"). Elsewhere (a weight whose outputs are not
     whole panels) the bfloat16 copy is row-major and `inner` keeps its float32 copy.
     With `pack_panels12` too, one-row products (a single request's decode step) read a
@@ -127,7 +127,8 @@ class GemvLinear(LinearMethod):
     faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels,
     where the decoding costs more than the bytes it saves. The copy adds 0.76x the bfloat16
     panels' memory (the engine passes pack_panels12 unless a test forces it off:
-    layers/ops.py use_panels12).
+    layers/ops.py use_panels12). With `one_row_copy` False no 12-bit copy of any layout is
+    made (cpu_one_row_copy, which the worker decides at load: layers/ops.py keep_copy).
 
     With `pack_pairs` (bfloat16 arithmetic on CPUs with AVX512-BF16 but no AMX), the
     kernel's copy is held in pair panels instead (cpu_ops.pack_pairs: bfloat16 dot
@@ -147,10 +148,11 @@ class GemvLinear(LinearMethod):
                  pack_panels12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 pairs12_rows: int = 1, gemm_copy: bool | None = None, copy_rows: int = 64
-                 ) -> None:
+                 pairs12_rows: int = 1, gemm_copy: bool | None = None, copy_rows: int = 64,
+                 one_row_copy: bool | None = None) -> None:
         self.gemv = gemv
         self.gemm_copy = gemm_copy           # None: not decided yet (the worker's, at load)
+        self.one_row_copy = one_row_copy     # False: no 12-bit copies (the worker's, at load)
         self.copy_rows = copy_rows
         self.inner = inner
         self.max_rows = max_rows
@@ -166,22 +168,24 @@ class GemvLinear(LinearMethod):
 
     @property
     def name(self) -> str:                   # type: ignore[override]
-        """What runs, for the logs: read when asked, as gemm_copy is decided at load."""
+        """What runs, for the logs: read when asked, as the copies are decided at load."""
         stream = self.stream_dtype
+        copies = self.one_row_copy is not False
         streams = "" if stream is None else f", {str(stream).removeprefix('torch.')} weights"
         rows = "every row count" if not self.gemm_copy else f"<= {self.copy_rows} rows"
         if self.pack_panels is not None:
             streams += f" in panels, {rows}"
-            if self.pack_panels12 is not None:
+            if self.pack_panels12 is not None and copies:
                 streams += " (one row: 12-bit panels)"
         if self.pack_pairs is not None:
             streams += f"; bfloat16 pair panels, {rows}"
-            if self.pack_pairs12 is not None:
+            if self.pack_pairs12 is not None and copies:
                 streams += (" (one row: 12-bit pair panels)" if self.pairs12_rows == 1 else
                             f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
         inner = self.inner.name
         if self.amx_rows:
-            one_row = "" if self.pack_pairs12 is None else "; one row: 12-bit pair panels"
+            one_row = ("; one row: 12-bit pair panels" if self.pack_pairs12 is not None and copies
+                       else "")
             return (f"gemv (<= {self.max_rows} rows; AMX <= {self.amx_rows}{one_row}) "
                     f"+ {inner}")
         return f"gemv (<= {self.max_rows} rows{streams}) + {inner}"
@@ -199,8 +203,8 @@ class GemvLinear(LinearMethod):
         tiles = (self.pack_amx(weight) if self.pack_amx is not None and packed is not None
                  else None)
         if tiles is not None:
-            one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
-            return GemvWeight(packed, tiles, "amx", one_row, "pairs12", 1)
+            return GemvWeight(packed, tiles, "amx", self._copy(self.pack_pairs12, weight),
+                              "pairs12", 1)
         stream = self.stream_dtype
         if packed is not None and stream is not None and stream != weight.dtype:
             return GemvWeight(packed, weight.to(stream).contiguous())
@@ -212,16 +216,20 @@ class GemvLinear(LinearMethod):
         if self.pack_pairs is not None:
             pairs = self.pack_pairs(weight)
             if pairs is not None:
-                one_row = self.pack_pairs12(weight) if self.pack_pairs12 is not None else None
-                return GemvWeight(None, pairs, "pairs", one_row, "pairs12", self.pairs12_rows)
+                return GemvWeight(None, pairs, "pairs", self._copy(self.pack_pairs12, weight),
+                                  "pairs12", self.pairs12_rows)
         if self.pack_panels is not None and self.stream_dtype != weight.dtype:
             narrow = weight.to(self.stream_dtype).contiguous()
             panels = self.pack_panels(narrow)
             if panels is not None:
-                one_row = (self.pack_panels12(narrow) if self.pack_panels12 is not None
-                           else None)
-                return GemvWeight(None, panels, "panels", one_row, "panels12", 1)
+                return GemvWeight(None, panels, "panels", self._copy(self.pack_panels12, narrow),
+                                  "panels12", 1)
         return None
+
+    def _copy(self, pack: Callable[[torch.Tensor], torch.Tensor | None] | None,
+              weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight's 12-bit copy for one-row products, unless there is none to make."""
+        return None if pack is None or self.one_row_copy is False else pack(weight)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,6 +249,11 @@ class GemvLinear(LinearMethod):
         if prepared.layout in ("panels", "pairs"):
             return EVERY_ROW if prepared.packed is None else self.copy_rows
         return self.amx_rows if prepared.layout == "amx" else self.max_rows
+
+    @property
+    def makes_one_row_copies(self) -> bool:
+        """Whether 12-bit copies would be made (then one_row_copy decides whether they are)."""
+        return self.pack_panels12 is not None or self.pack_pairs12 is not None
 
     @property
     def holds_panels(self) -> bool:

@@ -69,7 +69,7 @@ TORCH_OPS = Ops("torch", rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
 #   at 4 / 16 / 24 / 32 rows against oneDNN's 23-37 / 34-47 / 41-57 / 47-64
 #   (GEMV_MAX_ROWS_WIDENED; at 32 rows a tie, 3 runs); with the bfloat16 copy in the
 #   kernel's panels (cpu_ops.pack_panels, where the shapes allow), up to
-#   GEMV_MAX_ROWS_PANELS beside oneDNN's copy, every row count without it (prefill_copy);
+#   GEMV_MAX_ROWS_PANELS beside oneDNN's copy, every row count without it (keep_copy);
 # - bfloat16 arithmetic without AMX (AVX512-BF16): the weights in pair panels
 #   (cpu_ops.pack_pairs), faster than oneDNN's bfloat16 GEMM up to GEMV_MAX_ROWS_PANELS
 #   rows (AMD EPYC Zen 5; the 32-request workload's decode steps of 9-32 rows then run
@@ -130,23 +130,29 @@ def use_pairs12() -> bool:
     return one_row_pairs12(cpu_flags()) if ONE_ROW_PAIRS12 is None else ONE_ROW_PAIRS12
 
 
-# Share of the RAM available at load that oneDNN's copy of the paneled weights may take
-# under cpu_prefill_copy="auto".
-PREFILL_COPY_SHARE = 1 / 8
+# Share of the RAM available at load that a copy the engine can do without may take under
+# "auto": oneDNN's copy of the paneled weights (cpu_prefill_copy), the 12-bit copy for one
+# request's decode steps (cpu_one_row_copy).
+COPY_SHARE = 1 / 8
 
 
-def prefill_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
-    """Whether oneDNN keeps its own copy of the weights the gemv kernel holds in panels or
-    pair panels (GemvLinear.gemm_copy), for products of more than GEMV_MAX_ROWS_PANELS rows
-    (prompts): `option` "on" or "off" (cpu_prefill_copy), or "auto": while the copy's
-    `copy_bytes` are at most PREFILL_COPY_SHARE of `available_bytes`. It adds 4 bytes a
-    parameter under float32 arithmetic (the panels hold 2, their 12-bit copy 1.5), 2 under
-    bfloat16, and takes a few percent off a prompt's prefill (docs/design.md, "oneDNN's copy
-    for prompts"; benchmarks/prefill_copy.py): so the default model (0.5 GB of float32
-    copy) keeps it, and a 7B model (28 GB) fits in half the memory without it."""
+def keep_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
+    """Whether to keep a copy of the weights that only speeds a path up: `option` "on" or
+    "off", or "auto": while the copy's `copy_bytes` are at most COPY_SHARE of
+    `available_bytes`.
+    - oneDNN's copy of the weights the gemv kernel holds in panels or pair panels
+      (cpu_prefill_copy, GemvLinear.gemm_copy), for products of more than
+      GEMV_MAX_ROWS_PANELS rows (prompts): 4 bytes a parameter under float32 arithmetic (the
+      panels hold 2, their 12-bit copy 1.5), 2 under bfloat16; a few percent off a prompt's
+      prefill (docs/design.md, "oneDNN's copy for prompts"; benchmarks/prefill_copy.py): so
+      the default model (0.5 GB of float32 copy) keeps it, and a 7B model (28 GB) fits in
+      half the memory without it.
+    - the 12-bit copy one request's decode steps read (cpu_one_row_copy,
+      GemvLinear.one_row_copy): 1.5 bytes a parameter; a fifth or more off one request's
+      TPOT (docs/design.md: the 12-bit panels, pair panels, beside AMX tiles)."""
     if option != "auto":
         return option == "on"
-    return copy_bytes <= available_bytes * PREFILL_COPY_SHARE
+    return copy_bytes <= available_bytes * COPY_SHARE
 
 
 def pair_panels() -> bool:
