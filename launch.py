@@ -89,8 +89,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU: whether the weights held in panels, pair panels or AMX "
                              "tiles get a second copy in 12 bits a weight (lossless, 1.5 "
                              "bytes a parameter), which one request's decode steps read: a "
-                             "fifth or more off its time a token (auto: while it takes at "
-                             "most an eighth of the RAM available at load, a rank's share)")
+                             "tenth to a fifth off its time a token (auto: while it takes at "
+                             "most an eighth of the RAM available at load, a rank's share; "
+                             "off saves the memory, and on an Intel Xeon was faster with 32 "
+                             "requests in flight; int8 weights have no such copy)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="int8: int8 linear weights on CPU (per output channel): "
                              "products of up to 4 rows (one user's decode steps; 8 on "

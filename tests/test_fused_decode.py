@@ -244,35 +244,33 @@ def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
     for it, its flags faked), as it runs by default there: every paneled weight has its
     12-bit copy, which one-row products read (a request alone: fused steps and the unfused
     LM head); the greedy tokens and logprobs are those of the same engine without the copies
-    (ONE_ROW_PANELS12 forced off), bit for bit."""
+    (cpu_one_row_copy="off"), bit for bit."""
     from kvflow.kernels import cpu_ops
-    from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvWeight
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
     monkeypatch.setattr(cpu_ops, "_state", {"lib": cpu_ops.load_isa(isa)})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = []
     for copies in (True, False):
-        with monkeypatch.context() as patch:
-            patch.setattr(ops, "ONE_ROW_PANELS12", None if copies else False)
-            with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2) as llm:
-                prepared = [m.prepared for m in runner(llm).model.modules()
-                            if isinstance(getattr(m, "prepared", None), GemvWeight)]
-                paneled = [p for p in prepared if p.layout == "panels"]
-                assert len(paneled) == 4 * 30 + 1                  # 30 layers + LM head
-                assert all((p.one_row is not None) == copies for p in paneled)
-                assert runner(llm).fused is not None
-                outs.append([llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:3]])
+        with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2,
+                 cpu_one_row_copy="on" if copies else "off") as llm:
+            prepared = [m.prepared for m in runner(llm).model.modules()
+                        if isinstance(getattr(m, "prepared", None), GemvWeight)]
+            paneled = [p for p in prepared if p.layout == "panels"]
+            assert len(paneled) == 4 * 30 + 1                  # 30 layers + LM head
+            assert all((p.one_row is not None) == copies for p in paneled)
+            assert runner(llm).fused is not None
+            outs.append([llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:3]])
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]
 
 
 def test_12_bit_pair_panels_give_the_pair_panels_tokens_and_logprobs(
-        default_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        default_model: str) -> None:
     """dtype="bfloat16" where the CPU multiplies bfloat16 (AVX512-BF16, no AMX; "auto" there):
     every pair-paneled weight has its 12-bit copy, which one-row products read (a request
     alone: fused steps and the LM head); the greedy tokens and logprobs are those of the
-    same engine without the copies (ONE_ROW_PAIRS12 forced off), bit for bit. A CPU without
+    same engine without the copies (cpu_one_row_copy="off"), bit for bit. A CPU without
     pair panels holds neither."""
     from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvWeight
@@ -280,19 +278,17 @@ def test_12_bit_pair_panels_give_the_pair_panels_tokens_and_logprobs(
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = []
     for copies in (True, False) if here else (True,):       # no pair panels: nothing to copy
-        with monkeypatch.context() as patch:
-            patch.setattr(ops, "ONE_ROW_PAIRS12", None if copies else False)
-            with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2,
-                     dtype="bfloat16") as llm:
-                prepared = [m.prepared for m in runner(llm).model.modules()
-                            if isinstance(getattr(m, "prepared", None), GemvWeight)]
-                paired = [p for p in prepared if p.layout == "pairs"]
-                assert len(paired) == (4 * 30 + 1 if here else 0)    # 30 layers + LM head
-                assert all((p.one_row is not None) == copies for p in paired)
-                assert runner(llm).fused is not None
-                if here:
-                    outs.append([llm.generate([p], params, use_tqdm=False)[0]
-                                 for p in PROMPTS[:3]])
+        with LLM(default_model, in_process=True, kv_cache_memory_gb=0.2,
+                 dtype="bfloat16", cpu_one_row_copy="on" if copies else "off") as llm:
+            prepared = [m.prepared for m in runner(llm).model.modules()
+                        if isinstance(getattr(m, "prepared", None), GemvWeight)]
+            paired = [p for p in prepared if p.layout == "pairs"]
+            assert len(paired) == (4 * 30 + 1 if here else 0)    # 30 layers + LM head
+            assert all((p.one_row is not None) == copies for p in paired)
+            assert runner(llm).fused is not None
+            if here:
+                outs.append([llm.generate([p], params, use_tqdm=False)[0]
+                             for p in PROMPTS[:3]])
     if here:
         assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
         assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]

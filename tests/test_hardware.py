@@ -126,25 +126,32 @@ def test_cpu_prefill_copy_auto_follows_the_ram(default_model: str,
 def test_cpu_one_row_copy_follows_the_option_and_the_ram(default_model: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """cpu_one_row_copy: "auto" makes the 12-bit copy of the paneled weights while it takes
-    at most an eighth of the RAM available at load (the default model's: ~0.2 GB), "on"
-    whatever the RAM, "off" never (one-row steps then read the panels); the linear's name
-    says which."""
+    at most an eighth of the RAM available at load (the default model's: ~0.2 GB; with 2 GB,
+    made while oneDNN's 0.54 GB float32 copy is not: each is weighed alone), "on" whatever
+    the RAM, "off" never; every paneled weight (30 layers' four and the LM head) follows,
+    and the linear's name says which."""
+    from kvflow.workers.layers.linear import GemvWeight
     from kvflow.workers import worker as worker_module
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", "sse4_2 avx avx2 fma f16c bmi2")
     config = lambda **kw: make_engine_config(default_model, kv_cache_memory_gb=0.05,  # noqa: E731
                                              device="cpu", **kw)
     made = {}
-    for available_gb, option in ((64, "auto"), (1, "auto"), (1, "on"), (64, "off")):
+    for available_gb, option in ((64, "auto"), (2, "auto"), (1, "auto"), (1, "on"),
+                                 (64, "off")):
         monkeypatch.setattr(worker_module, "available_memory_bytes",
                             lambda gb=available_gb: gb << 30)
         worker = Worker(config(cpu_one_row_copy=option))
         linear = worker.ops.linear
-        down = worker.model.model.layers[0].mlp.down_proj.prepared
-        assert down.layout == "panels" and linear.one_row_copy == (down.one_row is not None)
+        paneled = [m.prepared for m in worker.model.modules()
+                   if isinstance(getattr(m, "prepared", None), GemvWeight)
+                   and m.prepared.layout == "panels"]
+        assert len(paneled) == 4 * 30 + 1
+        assert all((p.one_row is not None) == linear.one_row_copy for p in paneled)
         assert ("12-bit" in linear.name) == linear.one_row_copy
-        made[(available_gb, option)] = linear.one_row_copy
-    assert made == {(64, "auto"): True, (1, "auto"): False, (1, "on"): True,
-                    (64, "off"): False}
+        made[(available_gb, option)] = (linear.one_row_copy, linear.gemm_copy)
+    assert made == {(64, "auto"): (True, True), (2, "auto"): (True, False),
+                    (1, "auto"): (False, False), (1, "on"): (True, False),
+                    (64, "off"): (False, True)}
 
 
 def test_kv_cache_dtype_option(default_model: str) -> None:

@@ -181,7 +181,8 @@ class Worker:
         bound) against its share of the node's available RAM; the ranks agree (all keep a
         copy, or none)."""
         linear = self.ops.linear
-        if not isinstance(linear, GemvLinear) or linear.gemm_copy is not None:
+        if (not isinstance(linear, GemvLinear)
+                or linear.gemm_copy is not None and linear.one_row_copy is not None):
             return
         weights = {id(m.weight): m.weight.numel() for m in model.modules()
                    if getattr(m, "method", None) is linear and isinstance(m.weight, torch.Tensor)}
@@ -207,8 +208,9 @@ class Worker:
                         params * self.dtype.itemsize / 1e9, share / 1e9)
         if linear.makes_one_row_copies:
             logger.info("cpu_one_row_copy=%s: the 12-bit copy of the weights for one request's "
-                        "decode steps %s (%.2f GB a rank at most)", self.config.cpu_one_row_copy,
-                        "kept" if keep[1] else "not made", params * 1.5 / 1e9)
+                        "decode steps %s (about %.2f GB a rank; %.1f GB of RAM available a "
+                        "rank)", self.config.cpu_one_row_copy, "made" if keep[1] else "not made",
+                        params * 1.5 / 1e9, share / 1e9)
 
     def _build_drafter(self) -> Drafter | None:
         """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own

@@ -148,8 +148,9 @@ def keep_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
       the default model (0.5 GB of float32 copy) keeps it, and a 7B model (28 GB) fits in
       half the memory without it.
     - the 12-bit copy one request's decode steps read (cpu_one_row_copy,
-      GemvLinear.one_row_copy): 1.5 bytes a parameter; a fifth or more off one request's
-      TPOT (docs/design.md: the 12-bit panels, pair panels, beside AMX tiles)."""
+      GemvLinear.one_row_copy): ~1.5 bytes a parameter; a tenth to a fifth off one request's
+      TPOT (docs/design.md: the 12-bit panels, pair panels, beside AMX tiles).
+    Each copy is weighed alone against the same share: both together may take a quarter."""
     if option != "auto":
         return option == "on"
     return copy_bytes <= available_bytes * COPY_SHARE
