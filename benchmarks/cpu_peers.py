@@ -588,14 +588,17 @@ def step_weight_bytes(kind: str) -> Callable[[int], float]:
 def weight_kind(engine: str, auto_kind: str) -> str:
     """What a decode step reads per weight."""
     if engine in ("kvflow-auto", "kvflow-auto-kv8"):    # bfloat16 weights, whatever the
-        # arithmetic (hardware.py); one row reads them in 12 bits: under float32 arithmetic
-        # in 12-bit panels where use_panels12(), under bfloat16 in 12-bit pair panels where
-        # the build has them and use_pairs12() (beside the pair panels, or the AMX tiles)
+        # arithmetic (hardware.py); one row reads them in 12 bits (cpu_one_row_copy="auto"
+        # makes the copy for the default model): under float32 arithmetic in 12-bit panels,
+        # under bfloat16 in 12-bit pair panels where the CPU and the build have them (beside
+        # the pair panels, or the AMX tiles)
         from kvflow.kernels import cpu_ops
-        from kvflow.workers.layers.ops import pair_panels, use_panels12, use_pairs12
-        if auto_kind == "float32" and use_panels12():
+        from kvflow.workers.hardware import cpu_flags
+        from kvflow.workers.layers.ops import one_row_pairs12, pair_panels
+        if auto_kind == "float32":
             return "panels12"
-        if auto_kind == "bfloat16" and use_pairs12() and cpu_ops.pairs_available():
+        if (auto_kind == "bfloat16" and one_row_pairs12(cpu_flags())
+                and cpu_ops.pairs_available()):
             if pair_panels():
                 return "pairs12"
             if cpu_ops.gemv_amx_rows():

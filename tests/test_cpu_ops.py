@@ -1032,42 +1032,39 @@ def test_gemv_panels_give_the_same_bits_whatever_the_threads(kernels: str, layou
         torch.set_num_threads(threads)
 
 
-def test_one_row_12_bit_panels_are_made_unless_forced_off(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_row_12_bit_panels_are_made_on_every_x86(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 arithmetic on bfloat16 weights (dtype="auto" without AVX512-BF16): the 12-bit
-    copy for one row is made on a CPU with or without AVX-512, unless forced off."""
+    copy for one row is made on a CPU with or without AVX-512 (cpu_one_row_copy="off" turns
+    it off: tests/test_hardware.py)."""
     from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvLinear
     avx2, avx512 = "sse4_2 avx avx2 fma f16c bmi2", "sse4_2 avx avx2 fma f16c avx512f avx512bw"
     choices = {}
-    for name, flags, forced in (("avx2", avx2, None), ("avx512", avx512, None),
-                                ("avx2 off", avx2, False), ("avx512 off", avx512, False)):
+    for name, flags in (("avx2", avx2), ("avx512", avx512)):
         monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
-        monkeypatch.setattr(ops, "ONE_ROW_PANELS12", forced)
         linear = ops.choose_ops(torch.device("cpu"), "cpu", torch.float32, True,
                                 weight_dtype=torch.bfloat16).linear
         assert isinstance(linear, GemvLinear)
-        choices[name] = linear.pack_panels12 is not None
-    assert choices == {"avx2": True, "avx512": True, "avx2 off": False, "avx512 off": False}
+        choices[name] = linear.pack_panels12 is not None and linear.makes_one_row_copies
+    assert choices == {"avx2": True, "avx512": True}
 
 
 def test_one_row_12_bit_pair_panels_are_chosen_by_the_cpu(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 arithmetic (dtype="auto" with AVX512-BF16, no AMX): the 12-bit copy of the
-    pair panels for one row is made on a CPU with AVX512-BF16 unless forced off, and never
-    where this build has no pair panels (then GemvLinear holds none to copy)."""
+    pair panels for one row is made on a CPU with AVX512-BF16, and never where this build has
+    no pair panels (then GemvLinear holds none to copy) or the CPU lacks AVX512-BF16."""
     from kvflow.workers.layers import ops
     from kvflow.workers.layers.linear import GemvLinear
     flags = "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512_bf16"
     choices = {}
-    for name, forced in (("cpu", None), ("off", False), ("on", True)):
-        monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
-        monkeypatch.setattr(ops, "ONE_ROW_PAIRS12", forced)
+    for name, cpu in (("bf16", flags), ("no bf16", "sse4_2 avx avx2 fma f16c avx512f")):
+        monkeypatch.setenv("KVFLOW_CPU_FLAGS", cpu)
         linear = ops.choose_ops(torch.device("cpu"), "cpu", torch.bfloat16, True).linear
         assert isinstance(linear, GemvLinear)
         choices[name] = linear.pack_pairs12 is not None
     here = ops.pair_panels()
-    assert choices == {"cpu": here, "off": False, "on": here}
+    assert choices == {"bf16": here, "no bf16": False}
     assert ops.one_row_pairs12(frozenset(flags.split()))
     assert not ops.one_row_pairs12(frozenset("sse4_2 avx avx2 fma avx512f".split()))
 

@@ -126,9 +126,9 @@ class GemvLinear(LinearMethod):
     results bit for bit; one row is a stream of the weights, so its linears ran 1.2-1.35x
     faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels,
     where the decoding costs more than the bytes it saves. The copy adds 0.76x the bfloat16
-    panels' memory (the engine passes pack_panels12 unless a test forces it off:
-    layers/ops.py use_panels12). With `one_row_copy` False no 12-bit copy of any layout is
-    made (cpu_one_row_copy, which the worker decides at load: layers/ops.py keep_copy).
+    panels' memory (the engine always passes pack_panels12). With `one_row_copy` False no
+    12-bit copy of any layout is made (cpu_one_row_copy, which the worker decides at load:
+    layers/ops.py keep_copy).
 
     With `pack_pairs` (bfloat16 arithmetic on CPUs with AVX512-BF16 but no AMX), the
     kernel's copy is held in pair panels instead (cpu_ops.pack_pairs: bfloat16 dot

@@ -87,32 +87,10 @@ FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
 # One-row products from a second copy of the bfloat16 panels in 12 bits a weight
 # (cpu_ops.pack_panels12, lossless, 0.76x the bytes), wherever there are bfloat16 panels
-# (float32 arithmetic on bfloat16 weights: CPUs without AVX512-BF16 or AMX).
-# None: made; True or False: forced (tests).
-ONE_ROW_PANELS12: bool | None = None
-
-
-def use_panels12() -> bool:
-    """Whether one-row products read the 12-bit copy of the bfloat16 panels. As an AVX2 CPU
-    on a Xeon, one request's TPOT in-process 14.1-14.3 -> 11.8-12.3 ms; natively on an AVX2
-    AMD EPYC (Zen 3), 5 alternating pairs, medians 16.6 -> 15.3 ms; the 32-request offline
-    workload through the multi-process engine unchanged (117.7/123.4/127.3 ->
-    118.7/123.5/134.4 output tok/s, alternating). As an AVX-512 CPU without BF16 (Cascade
-    Lake; an AMD EPYC Zen 5 with kvflow's AVX-512 build and flags, 4 alternating pairs) one
-    request's TPOT in-process 5.88 -> 4.71 ms (medians), the 32-request workload in-process
-    459 -> 469 tok/s and through the multi-process engine 444/446/463 -> 442/452/451 (3
-    alternating pairs). An earlier run on a Xeon as such a CPU had measured that workload
-    ~10% slower with the copies held (noisy, in-process no difference, cause not found), and
-    the copy was made on CPUs without AVX-512 only until the Zen 5 runs above."""
-    return True if ONE_ROW_PANELS12 is None else ONE_ROW_PANELS12
-
-
-# The same for the pair panels (bfloat16 arithmetic on AVX512-BF16 CPUs without AMX): products
-# of one to a few rows (cpu_ops.pairs12_rows) from a second copy in 12 bits a weight
-# (cpu_ops.pack_pairs12, lossless); with AMX, one-row products from such a copy of the
-# weights the tiles hold.
-# None: decided by the CPU; True or False: forced (tests).
-ONE_ROW_PAIRS12: bool | None = None
+# (float32 arithmetic on bfloat16 weights: CPUs without AVX512-BF16 or AMX), and of the pair
+# panels or AMX tiles' weights where the CPU has AVX512-BF16 (one_row_pairs12); made unless
+# cpu_one_row_copy says not (keep_copy). Their history and measurements: docs/design.md
+# (the bfloat16 weights under float32 arithmetic; "Pair panels"; AMX).
 
 
 def one_row_pairs12(flags: frozenset[str]) -> bool:
@@ -124,10 +102,6 @@ def one_row_pairs12(flags: frozenset[str]) -> bool:
     panels, alike within the VM's drift (docs/design.md, "Pair panels"). The copy adds 0.76x
     the pair panels' (or tiles') memory."""
     return "avx512_bf16" in flags
-
-
-def use_pairs12() -> bool:
-    return one_row_pairs12(cpu_flags()) if ONE_ROW_PAIRS12 is None else ONE_ROW_PAIRS12
 
 
 # Share of the RAM available at load that a copy the engine can do without may take under
@@ -209,10 +183,10 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
             linear = GemvLinear(cpu_ops.gemv, linear,
                                 GEMV_MAX_ROWS if stream is None else GEMV_MAX_ROWS_WIDENED,
                                 cpu_ops.pack_amx, amx_rows, stream, cpu_ops.pack_panels,
-                                cpu_ops.pack_panels12 if use_panels12() else None,
+                                cpu_ops.pack_panels12,
                                 cpu_ops.pack_pairs if dtype == torch.bfloat16 and pair_panels()
                                 else None,
-                                cpu_ops.pack_pairs12 if use_pairs12() else None,
+                                cpu_ops.pack_pairs12 if one_row_pairs12(cpu_flags()) else None,
                                 cpu_ops.pairs12_rows(), copy_rows=GEMV_MAX_ROWS_PANELS)
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
