@@ -689,8 +689,9 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
     """bfloat16 panels in 12 bits a weight (pack_panels12), on every build: the same bits as
     the bfloat16 panels (which test_gemv_panel_layout_matches_torch checks against float64
     torch) for one row (decoded in registers, P12_NP panels at once and the range's last
-    ones alone; a group whole in some of them and not in others) and more (decoded into a
-    panel, then blocks of rows), with the bias, an input scale, bfloat16 x and output; K
+    ones alone; a group whole in some of them and not in others), two to panels12_rows()
+    (3 on AVX2, 4 on AVX-512: decoded in registers once for all the rows, a panel at a
+    time) and more (decoded into a panel, then blocks of rows), with the bias, an input scale, bfloat16 x and output; K
     not a multiple of a group (602, 70, 2). Gaussian weights take under 80% of the bfloat16
     bytes; weights spread over many exponents and both signs keep whole groups (raw
     bfloat16) and still give the same bits. Odd K and output counts that are not a multiple
@@ -702,6 +703,7 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
     mixed[16:32] = spread[16:32]       # (the second of a call's panels on AVX2, the first's
     mixed[32:48] = spread[32:48]       # half on AVX-512; then the first of the next pair)
     bias, in_scale = torch.randn(n), torch.rand(k) + 0.5
+    assert cpu_ops.panels12_rows() == (4 if cpu_ops.library().gemv_panel_width() == 32 else 3)
     assert cpu_ops.pack_panels12(w[: n - 8]) is None and cpu_ops.pack_panels12(w.float()) is None
     assert cpu_ops.pack_panels12(w[:, : k - 1].contiguous()) is None
     for weight, whole in ((w, False), (spread, True), (mixed, n > 32 and k > 2)):
@@ -712,7 +714,7 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
             assert _whole_groups(packed) > 0
         elif k > 2:                  # the odd group of a gaussian's tails may be kept whole
             assert packed.numel() < 0.8 * 2 * n * k
-        for m in (1, 2, 3, 5, 7, 13, 33):
+        for m in (1, 2, 3, 4, 5, 7, 13, 33):
             x = torch.randn(m, 2 * k)[:, ::2]
             for b, s in ((bias, in_scale), (None, None)):
                 want = cpu_ops.gemv(x, panels, None, b, in_scale=s, layout="panels")
@@ -882,33 +884,46 @@ def test_gemv_many_rows_in_blocks(kernels: str, layout: str,
                                atol=1e-2 * float(ref.abs().max()), rtol=1e-2)
 
 
-def test_gemv_linear_reads_12_bit_panels_for_one_row(kernels: str) -> None:
+def test_gemv_linear_reads_12_bit_panels_for_a_few_rows(kernels: str) -> None:
     """With pack_panels12, GemvLinear keeps a second copy of each paneled weight in 12-bit
-    panels and reads it for one row only: the same bits as the bfloat16 panels, which more
-    rows keep reading; the fused decode path gets the copy (gemv_operands)."""
+    panels and reads it for up to panels12_rows rows (one by default; the engine passes
+    cpu_ops.panels12_rows()): the same bits as the bfloat16 panels, which more rows keep
+    reading; the fused decode path gets the copy and its row limit (gemv_operands)."""
     from kvflow.workers.layers.linear import (GemvLinear, LinearMethod, OneDnnLinear,
                                               gemv_operands)
     inner = OneDnnLinear() if OneDnnLinear.works(torch.float32) else LinearMethod()
     plain = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels)
     method = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
                         cpu_ops.pack_panels12)
-    assert "12-bit" in method.name and "12-bit" not in plain.name
+    rows = cpu_ops.panels12_rows()
+    few = GemvLinear(cpu_ops.gemv, inner, 32, None, 0, torch.bfloat16, cpu_ops.pack_panels,
+                     cpu_ops.pack_panels12, panels12_rows=rows)
+    assert "one row: 12-bit" in method.name and "12-bit" not in plain.name
     w = torch.randn(96, 64).bfloat16().float()
-    prepared, reference = method.prepare(w), plain.prepare(w)
+    prepared, reference, wide = method.prepare(w), plain.prepare(w), few.prepare(w)
     if prepared.layout != "panels":                     # a build without vectors
-        assert prepared.one_row is None
+        assert prepared.one_row is None and wide.one_row is None
         return
+    assert f"<= {rows} rows: 12-bit" in few.name
     assert prepared.one_row is not None and reference.one_row is None
-    assert gemv_operands(prepared).one_row is prepared.one_row
+    assert (prepared.one_row_rows, wide.one_row_rows) == (1, rows) and rows > 1
+    assert gemv_operands(wide).one_row is wide.one_row
+    assert gemv_operands(wide).one_row_rows == rows
     bias = torch.randn(96)
-    for m in (1, 2, 7):
+    for m in (1, 2, rows, rows + 1, 7):
         x = torch.randn(m, 64)
-        assert torch.equal(method.apply(x, w, prepared, bias), plain.apply(x, w, reference, bias))
+        want = plain.apply(x, w, reference, bias)
+        assert torch.equal(method.apply(x, w, prepared, bias), want)
+        assert torch.equal(few.apply(x, w, wide, bias), want)
     calls: list[str] = []
-    method.gemv = lambda *a, layout="rows": calls.append(layout) or cpu_ops.gemv(*a, layout=layout)
+    for linear in (method, few):
+        linear.gemv = (lambda *a, layout="rows": calls.append(layout)  # type: ignore[method-assign]
+                       or cpu_ops.gemv(*a, layout=layout))
     method.apply(torch.randn(1, 64), w, prepared)
     method.apply(torch.randn(2, 64), w, prepared)
-    assert calls == ["panels12", "panels"]
+    few.apply(torch.randn(rows, 64), w, wide)
+    few.apply(torch.randn(rows + 1, 64), w, wide)
+    assert calls == ["panels12", "panels", "panels12", "panels"]
 
 
 def test_gemv_linear_reads_12_bit_pair_panels_for_one_row(kernels: str) -> None:

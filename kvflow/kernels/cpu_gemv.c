@@ -1264,6 +1264,34 @@ DEFINE_P12_GROUP(p12_group, 1, 2, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #define P12_GROUP_NP p12_group_1_2
 #endif
 DEFINE_P12_GROUP(p12_group, 1, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
+/* Two to P12_ROWS rows: one panel a call, each pair of inputs decoded once in registers and
+ * multiplied into every row's sums (in input order: still the bfloat16 panels' bits). A few
+ * rows are still a read of the weights, so the 76% of the bytes pays there too. The default
+ * model's four decode linears from memory (benchmarks/gemv_stream.py --layout panels12,
+ * AMD EPYC Zen 5, 2 threads, two alternating rounds), against the bfloat16 panels: AVX-512
+ * (no BF16) 0.71-0.76x at 2 rows, 0.70-0.90x at 3, 0.73x at 4; AVX2 0.99-1.03x at 2 (its
+ * float32 FMAs, not the memory, bound it on a CPU that reads ~55-75 GB/s on two cores),
+ * 0.68-0.80x at 3, but 1.18-1.27x at 4, where 8 sums, 8 broadcasts and the decoding spill
+ * AVX2's 16 registers: so 3 rows there. (Decoding each panel into an L1 buffer first, the
+ * path past P12_ROWS, took 1.3-1.6x the bfloat16 panels' time.) */
+#define P12_ROWS (VL == 16 ? 4 : 3)
+DEFINE_P12_GROUP(p12_group, 2, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
+DEFINE_P12_GROUP(p12_group, 3, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
+#if VL == 16
+DEFINE_P12_GROUP(p12_group, 4, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
+#endif
+static void p12_group_rows(const void *packed, int64_t N, int64_t K, int64_t q0, int64_t end,
+                           const float *x, float *out, int64_t M) {
+    switch (M) {
+        case 2: p12_group_2_1(packed, N, K, q0, end, x, out, M); return;
+#if VL == 16
+        case 3: p12_group_3_1(packed, N, K, q0, end, x, out, M); return;
+        default: p12_group_4_1(packed, N, K, q0, end, x, out, M); return;
+#else
+        default: p12_group_3_1(packed, N, K, q0, end, x, out, M); return;
+#endif
+    }
+}
 #ifdef BF16_PAIRS
 /* The 12-bit pair panels take up to P12_PAIR_ROWS rows: at one row four panels a call, at
  * two to four two (as the pair panels), each pair of inputs decoded once for all the rows.
@@ -1618,6 +1646,17 @@ static float quantize_x(const void *x, int xtype, int64_t ldx, int64_t m, const 
     return peak / (float)qmax;
 }
 
+/* Up to how many rows of x the 12-bit panels (T_BF16_PANELS12) are decoded in registers,
+ * once for all the rows (more rows decode each panel into a buffer first: slower than the
+ * bfloat16 panels); 0 where this build has no 12-bit panels. */
+int gemv_panels12_rows(void) {
+#ifdef P12
+    return P12_ROWS;
+#else
+    return 0;
+#endif
+}
+
 /* Rows of x the 12-bit pair panels take (layout T_BF16_PAIRS12), 0 where this build has none. */
 int gemv_pairs12_rows(void) {
 #ifdef P12_PAIRS
@@ -1789,9 +1828,9 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
         {
             float *acc = malloc((size_t)(M <= 4 ? 8 : M) * PANEL * sizeof(float));
 #ifdef P12
-            /* 12-bit panels at two rows or more: each decoded into this bfloat16 panel, then
-             * as the others (one row decodes in registers) */
-            const int decode12 = panels12 && M > 1;
+            /* 12-bit panels past P12_ROWS rows: each decoded into this bfloat16 panel, then
+             * as the others (up to P12_ROWS rows decode in registers) */
+            const int decode12 = panels12 && M > P12_ROWS;
             uint16_t *decoded = decode12 ? aligned_alloc(64, ((size_t)K * PANEL * 2 + 63) & ~(size_t)63)
                                          : NULL;
             if (decode12 && decoded == NULL) {
@@ -1820,7 +1859,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #ifdef P12
                 /* the first whole group of the claim; and where prefetching may run to (the
                  * claim's end, or the own share's) */
-                int64_t whole = panels12 && M > 1 ? p12_first_whole(w, c0 * groups12) : 0;
+                int64_t whole = decode12 ? p12_first_whole(w, c0 * groups12) : 0;
                 const uint8_t *stream_end = panels12 ? (const uint8_t *)w + p12_head_bytes(E)
                                                        + end * p12_panel_bytes(K) : NULL;
 #endif
@@ -1828,7 +1867,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                     np = cn == group ? group : 1;
                     const uint16_t *wp = (const uint16_t *)w + p0 * K * PANEL;
 #ifdef P12
-                    if (panels12 && M > 1) {
+                    if (decode12) {
                         p12_decode(w, N, K, p0, &whole, decoded, stream_end);
                         wp = decoded;
                     }
@@ -1859,6 +1898,10 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #ifdef P12
                         if (np == P12_NP) P12_GROUP_NP(w, N, K, p0, end, xf, acc, 1);
                         else p12_group_1_1(w, N, K, p0, end, xf, acc, 1);
+#endif
+#ifdef P12
+                    } else if (panels12 && !decode12) {   /* 2 to P12_ROWS rows */
+                        p12_group_rows(w, N, K, p0, end, xf, acc, M);
 #endif
                     } else if (np == 4) panel_group_1_4(wp, K, xf, acc, M, NULL, 0, 0);
                     else if (np == 2)                  /* rows in pairs, the odd one alone */

@@ -186,6 +186,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.pack_pairs.restype, lib.pack_pairs.argtypes = ctypes.c_int, [ptr, i64, i64, ptr]
     lib.gemv_pairs_available.restype, lib.gemv_pairs_available.argtypes = ctypes.c_int, []
     lib.gemv_pairs12_rows.restype, lib.gemv_pairs12_rows.argtypes = ctypes.c_int, []
+    lib.gemv_panels12_rows.restype, lib.gemv_panels12_rows.argtypes = ctypes.c_int, []
     lib.panels12_bytes.restype, lib.panels12_bytes.argtypes = i64, [ptr, i64, i64]
     lib.pack_panels12.restype, lib.pack_panels12.argtypes = None, [ptr, i64, i64, ptr]
     lib.pairs12_bytes.restype, lib.pairs12_bytes.argtypes = i64, [ptr, i64, i64]
@@ -668,6 +669,14 @@ def pairs_available() -> bool:
     """Whether this build has the bfloat16 pair panels (`pack_pairs`: AVX512-BF16)."""
     lib = library()
     return lib is not None and bool(lib.gemv_pairs_available())
+
+
+def panels12_rows() -> int:
+    """Up to how many rows of x `gemv` decodes the 12-bit panels (`pack_panels12`) in
+    registers, once for all the rows (more decode each panel into a buffer first, slower
+    than the bfloat16 panels); 0 where this build has none."""
+    lib = library()
+    return int(lib.gemv_panels12_rows()) if lib is not None else 0
 
 
 def pairs12_rows() -> int:

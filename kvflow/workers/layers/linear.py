@@ -91,8 +91,14 @@ class GemvWeight(NamedTuple):
                                     # products of up to one_row_rows rows read instead:
     one_row_layout: str = ""        # "panels12" (cpu_ops.pack_panels12) beside "panels",
                                     # "pairs12" (pack_pairs12) beside "pairs" and "amx"
-    one_row_rows: int = 0           # 1; beside "pairs", GemvLinear.pairs12_rows (the
-                                    # engine's: cpu_ops.pairs12_rows())
+    one_row_rows: int = 0           # beside "panels", GemvLinear.panels12_rows; beside
+                                    # "pairs", pairs12_rows (the engine's: cpu_ops.
+                                    # panels12_rows(), pairs12_rows()); beside "amx", 1
+
+
+def _twelve_bit(rows: int, layout: str) -> str:
+    return (f" (one row: 12-bit {layout})" if rows == 1 else
+            f" (<= {rows} rows: 12-bit {layout})")
 
 
 class GemvLinear(LinearMethod):
@@ -120,13 +126,15 @@ class GemvLinear(LinearMethod):
     `copy_rows` rows run there (layers/ops.py keep_copy decides; the two compared:
     docs/design.md, "oneDNN's copy for prompts"). Elsewhere (a weight whose outputs are not
     whole panels) the bfloat16 copy is row-major and `inner` keeps its float32 copy.
-    With `pack_panels12` too, one-row products (a single request's decode step) read a
-    second copy, the same panels in 12 bits a weight (lossless: each weight's sign and
-    exponent byte an index into a table of 16 per 1024 weights): 76% of the bytes, the same
-    results bit for bit; one row is a stream of the weights, so its linears ran 1.2-1.35x
-    faster (benchmarks/cpu_kernels.py --gemv). Two rows and more keep the bfloat16 panels,
-    where the decoding costs more than the bytes it saves. The copy adds 0.76x the bfloat16
-    panels' memory (the engine always passes pack_panels12). With `one_row_copy` False no
+    With `pack_panels12` too, products of up to `panels12_rows` rows (a single request's
+    decode step, or a few requests': cpu_ops.panels12_rows, 3 on AVX2 and 4 on AVX-512)
+    read a second copy, the same panels in 12 bits a weight (lossless: each weight's sign
+    and exponent byte an index into a table of 16 per 1024 weights): 76% of the bytes, the
+    same results bit for bit; one row is a stream of the weights, so its linears ran
+    1.2-1.35x faster (benchmarks/cpu_kernels.py --gemv), and a few rows still are (the
+    kernel's comment, cpu_gemv.c P12_ROWS). More rows keep the bfloat16 panels, where the
+    decoding costs more than the bytes it saves. The copy adds 0.76x the bfloat16 panels'
+    memory (the engine always passes pack_panels12). With `one_row_copy` False no
     12-bit copy of any layout is made (cpu_one_row_copy, which the worker decides at load:
     layers/ops.py keep_copy).
 
@@ -149,7 +157,7 @@ class GemvLinear(LinearMethod):
                  pack_pairs: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pack_pairs12: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  pairs12_rows: int = 1, gemm_copy: bool | None = None, copy_rows: int = 64,
-                 one_row_copy: bool | None = None) -> None:
+                 one_row_copy: bool | None = None, panels12_rows: int = 1) -> None:
         self.gemv = gemv
         self.gemm_copy = gemm_copy           # None: not decided yet (the worker's, at load)
         self.one_row_copy = one_row_copy     # False: no 12-bit copies (the worker's, at load)
@@ -161,6 +169,7 @@ class GemvLinear(LinearMethod):
         self.stream_dtype = stream_dtype
         self.pack_panels = pack_panels if stream_dtype is not None else None
         self.pack_panels12 = pack_panels12 if self.pack_panels is not None else None
+        self.panels12_rows = panels12_rows if self.pack_panels12 is not None else 0
         self.pack_pairs = pack_pairs if stream_dtype is None else None
         self.pack_pairs12 = (pack_pairs12 if self.pack_pairs is not None
                              or self.pack_amx is not None else None)
@@ -176,12 +185,11 @@ class GemvLinear(LinearMethod):
         if self.pack_panels is not None:
             streams += f" in panels, {rows}"
             if self.pack_panels12 is not None and copies:
-                streams += " (one row: 12-bit panels)"
+                streams += _twelve_bit(self.panels12_rows, "panels")
         if self.pack_pairs is not None:
             streams += f"; bfloat16 pair panels, {rows}"
             if self.pack_pairs12 is not None and copies:
-                streams += (" (one row: 12-bit pair panels)" if self.pairs12_rows == 1 else
-                            f" (<= {self.pairs12_rows} rows: 12-bit pair panels)")
+                streams += _twelve_bit(self.pairs12_rows, "pair panels")
         inner = self.inner.name
         if self.amx_rows:
             one_row = ("; one row: 12-bit pair panels" if self.pack_pairs12 is not None and copies
@@ -223,7 +231,7 @@ class GemvLinear(LinearMethod):
             panels = self.pack_panels(narrow)
             if panels is not None:
                 return GemvWeight(None, panels, "panels", self._copy(self.pack_panels12, narrow),
-                                  "panels12", 1)
+                                  "panels12", self.panels12_rows)
         return None
 
     def _copy(self, pack: Callable[[torch.Tensor], torch.Tensor | None] | None,

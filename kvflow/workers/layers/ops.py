@@ -187,7 +187,8 @@ def choose_ops(device: torch.device, attention_backend: str, dtype: torch.dtype,
                                 cpu_ops.pack_pairs if dtype == torch.bfloat16 and pair_panels()
                                 else None,
                                 cpu_ops.pack_pairs12 if one_row_pairs12(cpu_flags()) else None,
-                                cpu_ops.pairs12_rows(), copy_rows=GEMV_MAX_ROWS_PANELS)
+                                cpu_ops.pairs12_rows(), copy_rows=GEMV_MAX_ROWS_PANELS,
+                                panels12_rows=cpu_ops.panels12_rows())
     if c_kernels:
         return Ops("c", cpu_ops.rms_norm, cpu_ops.add_rms_norm, cpu_ops.silu_and_mul,
                    cpu_ops.apply_rotary, cpu_ops.argmax, linear, cpu_ops.sample,
