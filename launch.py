@@ -88,8 +88,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-one-row-copy", default="auto", choices=["auto", "on", "off"],
                         help="CPU: whether the weights held in panels, pair panels or AMX "
                              "tiles get a second copy in 12 bits a weight (lossless, 1.5 "
-                             "bytes a parameter), which one request's decode steps read: a "
-                             "tenth to a fifth off its time a token (auto: while it takes at "
+                             "bytes a parameter), which the decode steps of one to a few "
+                             "requests read (up to 4; beside AMX tiles 1): a tenth to a "
+                             "fifth off one request's time a token (auto: while it takes at "
                              "most an eighth of the RAM available at load, a rank's share; "
                              "off saves the memory, and on an Intel Xeon was faster with 32 "
                              "requests in flight; int8 weights have no such copy)")

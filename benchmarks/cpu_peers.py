@@ -31,8 +31,8 @@ of its floor.
   client's work between tokens is taken from the threads that compute them; and the CPU
   time the other servers, idle, took meanwhile ("idle servers"; ~0 where they wait in poll).
 - Between the two, served (--served-concurrency, default 4,16): each engine's OpenAI server
-  alone, one after the other, kept at c streamed requests in flight (max(16, 2c) requests a
-  level, the same ranges, greedy): output tok/s, TPOT p50 and TTFT p50, and kvflow's
+  alone, one after the other (llama-server again for each c, with c slots), kept at c
+  streamed requests in flight (max(16, 2c) requests a level, the same ranges, greedy): output tok/s, TPOT p50 and TTFT p50, and kvflow's
   output tok/s over the best llama.cpp type's and the best vLLM setting's at each c.
 
 Engines (--only, comma-separated; default all):
@@ -531,11 +531,16 @@ def tpot_one_at_a_time(engines: list[str], args: argparse.Namespace,
 def served(engines: list[str], args: argparse.Namespace, vocab: int
            ) -> dict[str, dict[str, Any]]:
     """Per engine and level c of --served-concurrency: its server alone (up for all its
-    levels, then stopped), c streamed requests kept in flight by c clients (serve.py's
-    run_concurrency), max(16, 2c) seeded requests a level, the same for every engine."""
+    levels, then stopped; llama-server's started again for each, with c slots), c streamed
+    requests kept in flight by c clients (serve.py's run_concurrency), max(16, 2c) seeded
+    requests a level, the same for every engine."""
     levels = [int(c) for c in args.served_concurrency.split(",") if c]
     rows: dict[str, dict[str, Any]] = {e: {} for e in engines}
-    for engine in engines:
+    for engine, group in [(e, g) for e in engines
+                          for g in ([[c] for c in levels] if e.startswith("llamacpp")
+                                    else [levels])]:
+        # -np as many slots as requests in flight (its KV cache: that many contexts)
+        args.llama_slots = group[0] if engine.startswith("llamacpp") else None
         try:
             with running(engine, args) as url:
                 async def go() -> None:
@@ -546,7 +551,7 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
                                                       serve_bench.Request([1, 2, 3], 8))
                         if not warm.ok:
                             raise RuntimeError(f"warm-up request failed: {warm.error}")
-                        for c in levels:
+                        for c in group:
                             prompts, outputs = make_workload(args, vocab, max(16, 2 * c),
                                                              f"served{c}")
                             reqs = [serve_bench.Request(p, n) for p, n in zip(prompts, outputs)]
@@ -566,6 +571,7 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
                 asyncio.run(go())
         except Exception as e:            # a peer that fails must not lose the other rows
             rows[engine]["served_error"] = f"{type(e).__name__}: {e}"[:300]
+    args.llama_slots = None
     return rows
 
 
@@ -621,12 +627,13 @@ def offline(engine: str, args: argparse.Namespace, prompts: list[list[int]],
 
 def step_weight_bytes(kind: str) -> Callable[[int], float]:
     """Bytes a weight a decode step of so many rows reads: kvflow's 12-bit copies serve only
-    steps of one row (panels12, amx12) or of up to cpu_ops.pairs12_rows() rows (pairs12);
-    the larger ones read the bfloat16 panels, pair panels or AMX tiles."""
+    steps of up to cpu_ops.panels12_rows() rows (panels12), cpu_ops.pairs12_rows() rows
+    (pairs12) or one row (amx12); the larger ones read the bfloat16 panels, pair panels or
+    AMX tiles."""
     if kind not in ("panels12", "pairs12", "amx12"):
         return lambda rows: WEIGHT_BYTES[kind]
     from kvflow.kernels import cpu_ops
-    few = cpu_ops.pairs12_rows() if kind == "pairs12" else 1
+    few = {"pairs12": cpu_ops.pairs12_rows(), "panels12": cpu_ops.panels12_rows()}.get(kind, 1)
     return lambda rows: WEIGHT_BYTES[kind] if rows <= few else WEIGHT_BYTES["bfloat16"]
 
 

@@ -198,7 +198,7 @@ def server_command(engine: str, port: int, args: argparse.Namespace) -> list[str
     if kind == "llamacpp":
         d = os.path.expanduser(os.environ.get("LLAMA_SERVER_DIR",
                                               "~/.cache/kvflow-bench/llama.cpp"))
-        slots = max([32, *args.concurrency])
+        slots = getattr(args, "llama_slots", None) or max([32, *args.concurrency])
         per_slot = max(1024, args.prompt_len[1] + args.output_len[1] + 64)
         return [os.path.join(d, "llama-server"), "-m", os.path.join(d, f"smollm2-{variant}.gguf"),
                 "-t", str(args.llama_threads), "-np", str(slots), "-c", str(slots * per_slot),

@@ -113,8 +113,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None    # "int8": W8A8 linears on CPU (layers/linear.py)
     # CPU: oneDNN's own copy of the weights the gemv kernel holds in panels, for prompt-sized
     # products: "auto" (while it takes at most an eighth of the RAM available), "on", "off"
-    # (layers/ops.py keep_copy); the 12-bit copy of the weights one request's decode steps
-    # read (1.5 bytes a parameter): "auto" (likewise), "on", "off"
+    # (layers/ops.py keep_copy); the 12-bit copy of the weights the decode steps of one to a
+    # few requests read (1.5 bytes a parameter): "auto" (likewise), "on", "off"
     cpu_prefill_copy: str = "auto"
     cpu_one_row_copy: str = "auto"
     # Self-healing (kvflow/frontend/supervisor.py): a step unfinished after step_timeout
