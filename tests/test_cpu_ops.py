@@ -691,11 +691,11 @@ def test_gemv_panels12_give_the_bfloat16_panels_bits(kernels: str, n: int, k: in
     torch) for one row (decoded in registers, P12_NP panels at once and the range's last
     ones alone; a group whole in some of them and not in others), two to panels12_rows()
     (3 on AVX2, 4 on AVX-512: decoded in registers once for all the rows, a panel at a
-    time) and more (decoded into a panel, then blocks of rows), with the bias, an input scale, bfloat16 x and output; K
-    not a multiple of a group (602, 70, 2). Gaussian weights take under 80% of the bfloat16
-    bytes; weights spread over many exponents and both signs keep whole groups (raw
-    bfloat16) and still give the same bits. Odd K and output counts that are not a multiple
-    of the panel are refused."""
+    time) and more (decoded into a panel, then blocks of rows), with the bias, an input
+    scale, bfloat16 x and output; K not a multiple of a group (602, 70, 2). Gaussian weights
+    take under 80% of the bfloat16 bytes; weights spread over many exponents and both signs
+    keep whole groups (raw bfloat16) and still give the same bits. Odd K and output counts
+    that are not a multiple of the panel are refused."""
     w = torch.randn(n, k).bfloat16()
     spread = (torch.randn(n, k) * 2.0 ** torch.randint(-60, 60, (n, k)).float()).bfloat16()
     spread[:, : k // 2] = w[:, : k // 2]               # some groups plain, some whole

@@ -242,10 +242,10 @@ def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
         default_model: str, monkeypatch: pytest.MonkeyPatch, isa: str, flags: str) -> None:
     """dtype="auto" on an AVX2 CPU and on an AVX-512 CPU without BF16 (kvflow's kernels built
     for it, its flags faked), as it runs by default there: every paneled weight has its
-    12-bit copy, which products of up to cpu_ops.panels12_rows() rows read (3 on AVX2, 4 on
-    AVX-512: a request alone, or three together, 3 rows and then 2; fused steps and the
-    unfused LM head); the greedy tokens and logprobs are those of the same engine without
-    the copies (cpu_one_row_copy="off"), bit for bit."""
+    12-bit copy, which products of up to cpu_ops.panels12_rows() rows read (3 with AVX2, 4
+    with AVX-512 vectors: a request alone, or four together, 4 rows a step, then 3, 2 and 1;
+    fused steps and the unfused LM head); the greedy tokens and logprobs are those of the
+    same engine without the copies (cpu_one_row_copy="off"), bit for bit."""
     from kvflow.kernels import cpu_ops
     from kvflow.workers.layers.linear import GemvWeight
     monkeypatch.setenv("KVFLOW_CPU_FLAGS", flags)
@@ -260,14 +260,16 @@ def test_12_bit_panels_give_the_bfloat16_panels_tokens_and_logprobs(
             paneled = [p for p in prepared if p.layout == "panels"]
             assert len(paneled) == 4 * 30 + 1                  # 30 layers + LM head
             assert all((p.one_row is not None) == copies for p in paneled)
-            assert all(p.one_row_rows == {"avx2": 3, "avx512": 4}[isa]
-                       for p in paneled if copies)
+            # the "avx512" build of an AVX2-only CPU has AVX2 vectors: 3 rows there too
+            wide = cpu_ops.library().gemv_panel_width() == 32
+            assert cpu_ops.panels12_rows() == (4 if wide else 3)
+            assert all(p.one_row_rows == cpu_ops.panels12_rows() for p in paneled if copies)
             assert runner(llm).fused is not None
-            # together: steps of 3 rows, then 2 and 1 as the shorter ones finish
+            # together: steps of 4 rows, then 3, 2 and 1 as the shorter ones finish
             shrinking = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
-                                        logprobs=3) for n in (24, 16, 8)]
+                                        logprobs=3) for n in (24, 18, 12, 6)]
             outs.append([llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:3]]
-                        + llm.generate(PROMPTS[:3], shrinking, use_tqdm=False))
+                        + llm.generate(PROMPTS[:4], shrinking, use_tqdm=False))
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]
 

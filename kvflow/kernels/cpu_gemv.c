@@ -925,12 +925,14 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
  * high bytes; vpunpcklbw / vpunpckhbw interleave them with the low bytes into the two inputs'
  * bfloat16 panel words. The bytes are stored in the order that makes those two unpacks give
  * input k's PANEL words and input k+1's (p12_position). One row of x multiplies them as they
- * are decoded, four panels side by side (p12_group_1_4); more rows decode each panel into a
- * bfloat16 panel in L1 and multiply it there by the bfloat16 panels' code. Either way every
- * output sums its inputs in order, so the results are the bfloat16 panels' bit for bit. One
- * row: the default model's decode linears 1.2-1.36x faster than from the bfloat16 panels
- * (AVX2 and AVX-512 builds, in C, 2 MB pages); two rows and more 0.73-0.95x, where the
- * decoding costs more than the bytes save (GemvLinear reads the panels there).
+ * are decoded, four panels side by side (p12_group_1_4); two to P12_ROWS rows (4 with
+ * AVX-512, 3 on AVX2) likewise, one panel at a time, each pair decoded once for all the rows
+ * (p12_group_rows); more rows decode each panel into a bfloat16 panel in L1 and multiply it
+ * there by the bfloat16 panels' code. Every way every output sums its inputs in order, so
+ * the results are the bfloat16 panels' bit for bit. One row: the default model's decode
+ * linears 1.2-1.36x faster than from the bfloat16 panels (AVX2 and AVX-512 builds, in C, 2
+ * MB pages); the register path at 2-4 rows: P12_ROWS' comment; the L1 path 0.73-0.95x, where
+ * the decoding costs more than the bytes save (GemvLinear reads the panels there).
  *
  * Layout of the packed bytes (pack_panels12): an int64 count E of whole groups, E int64
  * group numbers (panel * groups a panel + group, ascending), padding to 64 bytes; then each
@@ -1280,16 +1282,16 @@ DEFINE_P12_GROUP(p12_group, 3, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #if VL == 16
 DEFINE_P12_GROUP(p12_group, 4, 1, float, P12_XDECL_F32, P12_X_F32, P12_FMA_F32)
 #endif
+/* M (2..P12_ROWS: gemv sends no other) rows of x times one 12-bit panel from q0. */
 static void p12_group_rows(const void *packed, int64_t N, int64_t K, int64_t q0, int64_t end,
                            const float *x, float *out, int64_t M) {
     switch (M) {
         case 2: p12_group_2_1(packed, N, K, q0, end, x, out, M); return;
-#if VL == 16
         case 3: p12_group_3_1(packed, N, K, q0, end, x, out, M); return;
-        default: p12_group_4_1(packed, N, K, q0, end, x, out, M); return;
-#else
-        default: p12_group_3_1(packed, N, K, q0, end, x, out, M); return;
+#if VL == 16
+        case 4: p12_group_4_1(packed, N, K, q0, end, x, out, M); return;
 #endif
+        default: return;
     }
 }
 #ifdef BF16_PAIRS
@@ -1845,8 +1847,8 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2; else 1 (a
-             * share's last ones alone). A thread's own share comes first, a contiguous
+            /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2 (12-bit: 1);
+             * else 1 (a share's last ones alone). A thread's own share comes first, a contiguous
              * range of an even split of the panels, not of the groups (SmolLM2's 576
              * outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12
              * and the other 6). */

@@ -176,8 +176,8 @@ class Worker:
         """Which copies of the weights that only speed a path up are kept (layers/ops.py
         keep_copy), decided once, for the target model (a draft model follows it), before
         its weights are prepared: oneDNN's copy of the weights held in panels, for prompts
-        (cpu_prefill_copy), and the 12-bit copy one request's decode steps read
-        (cpu_one_row_copy). "auto" weighs this rank's weights (all the method holds: an upper
+        (cpu_prefill_copy), and the 12-bit copy the decode steps of one to a few requests
+        read (cpu_one_row_copy). "auto" weighs this rank's weights (all the method holds: an upper
         bound) against its share of the node's available RAM; the ranks agree (all keep a
         copy, or none)."""
         linear = self.ops.linear
@@ -207,10 +207,10 @@ class Worker:
                         "kept" if keep[0] else "not kept: the panels take every product",
                         params * self.dtype.itemsize / 1e9, share / 1e9)
         if linear.makes_one_row_copies:
-            logger.info("cpu_one_row_copy=%s: the 12-bit copy of the weights for one request's "
-                        "decode steps %s (about %.2f GB a rank; %.1f GB of RAM available a "
-                        "rank)", self.config.cpu_one_row_copy, "made" if keep[1] else "not made",
-                        params * 1.5 / 1e9, share / 1e9)
+            logger.info("cpu_one_row_copy=%s: the 12-bit copy of the weights for the decode "
+                        "steps of one to a few requests %s (about %.2f GB a rank; %.1f GB of "
+                        "RAM available a rank)", self.config.cpu_one_row_copy,
+                        "made" if keep[1] else "not made", params * 1.5 / 1e9, share / 1e9)
 
     def _build_drafter(self) -> Drafter | None:
         """speculative_method="draft_model": rank 0 builds the draft, unsharded, with its own

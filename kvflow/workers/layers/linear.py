@@ -168,7 +168,8 @@ class GemvLinear(LinearMethod):
         self.amx_rows = amx_rows if pack_amx is not None else 0
         self.stream_dtype = stream_dtype
         self.pack_panels = pack_panels if stream_dtype is not None else None
-        self.pack_panels12 = pack_panels12 if self.pack_panels is not None else None
+        self.pack_panels12 = (pack_panels12 if self.pack_panels is not None and panels12_rows
+                              else None)     # 0 rows: the build has no 12-bit panels
         self.panels12_rows = panels12_rows if self.pack_panels12 is not None else 0
         self.pack_pairs = pack_pairs if stream_dtype is None else None
         self.pack_pairs12 = (pack_pairs12 if self.pack_pairs is not None

@@ -121,7 +121,7 @@ def keep_copy(option: str, copy_bytes: int, available_bytes: int) -> bool:
       prefill (docs/design.md, "oneDNN's copy for prompts"; benchmarks/prefill_copy.py): so
       the default model (0.5 GB of float32 copy) keeps it, and a 7B model (28 GB) fits in
       half the memory without it.
-    - the 12-bit copy one request's decode steps read (cpu_one_row_copy,
+    - the 12-bit copy the decode steps of one to a few requests read (cpu_one_row_copy,
       GemvLinear.one_row_copy): ~1.5 bytes a parameter; a tenth to a fifth off one request's
       TPOT (docs/design.md: the 12-bit panels, pair panels, beside AMX tiles).
     Each copy is weighed alone against the same share: both together may take a quarter."""
