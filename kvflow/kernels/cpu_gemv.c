@@ -928,7 +928,7 @@ void pack_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
  * are decoded, four panels side by side (p12_group_1_4); two to P12_ROWS rows (4 with
  * AVX-512, 3 on AVX2) likewise, one panel at a time, each pair decoded once for all the rows
  * (p12_group_rows); more rows decode each panel into a bfloat16 panel in L1 and multiply it
- * there by the bfloat16 panels' code. Every way every output sums its inputs in order, so
+ * there by the bfloat16 panels' code. Each way every output sums its inputs in order, so
  * the results are the bfloat16 panels' bit for bit. One row: the default model's decode
  * linears 1.2-1.36x faster than from the bfloat16 panels (AVX2 and AVX-512 builds, in C, 2
  * MB pages); the register path at 2-4 rows: P12_ROWS' comment; the L1 path 0.73-0.95x, where
@@ -1848,9 +1848,9 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 failed = 1;
             }
             /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2 (12-bit: 1);
-             * else 1 (a share's last ones alone). A thread's own share comes first, a contiguous
-             * range of an even split of the panels, not of the groups (SmolLM2's 576
-             * outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12
+             * else 1 (a share's last ones alone). A thread's own share comes first, a
+             * contiguous range of an even split of the panels, not of the groups (SmolLM2's
+             * 576 outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12
              * and the other 6). */
             const int64_t group = M == 1 ? (panels12 || pairs12 ? P12_NP : 4)
                                          : M <= 4 && !panels12 ? 2 : 1;
@@ -1900,8 +1900,6 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
 #ifdef P12
                         if (np == P12_NP) P12_GROUP_NP(w, N, K, p0, end, xf, acc, 1);
                         else p12_group_1_1(w, N, K, p0, end, xf, acc, 1);
-#endif
-#ifdef P12
                     } else if (panels12 && !decode12) {   /* 2 to P12_ROWS rows */
                         p12_group_rows(w, N, K, p0, end, xf, acc, M);
 #endif
