@@ -542,7 +542,6 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
                                     else [levels])]:
         # -np as many slots as requests in flight (its KV cache: that many contexts)
         args.llama_slots = group[0] if engine.startswith("llamacpp") else None
-        level = "c=" + ",".join(map(str, group))       # the levels this server is up for
         try:
             with running(engine, args) as url:
                 async def go() -> None:
@@ -572,7 +571,8 @@ def served(engines: list[str], args: argparse.Namespace, vocab: int
                                   file=sys.stderr, flush=True)
                 asyncio.run(go())
         except Exception as e:            # a peer that fails must not lose the other rows
-            rows[engine].setdefault("errors", {})[level] = f"{type(e).__name__}: {e}"[:300]
+            missing = "c=" + ",".join(str(c) for c in group if f"c{c}" not in rows[engine])
+            rows[engine].setdefault("errors", {})[missing] = f"{type(e).__name__}: {e}"[:300]
         finally:
             args.llama_slots = None
     return rows

@@ -1847,7 +1847,7 @@ int gemv(const void *x, int xtype, int64_t ldx, int64_t M, const void *w, int wt
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2 (12-bit: 1);
+            /* One row: groups of 4 panels (12-bit: P12_NP); two to four: 2 (12-bit panels: 1);
              * else 1 (a share's last ones alone). A thread's own share comes first, a
              * contiguous range of an even split of the panels, not of the groups (SmolLM2's
              * 576 outputs on AVX-512 are 18 panels: split by groups of 4, one thread had 12

@@ -237,7 +237,8 @@ class GemvLinear(LinearMethod):
 
     def _copy(self, pack: Callable[[torch.Tensor], torch.Tensor | None] | None,
               weight: torch.Tensor) -> torch.Tensor | None:
-        """The weight's 12-bit copy for one-row products, unless there is none to make."""
+        """The weight's 12-bit copy for products of one to a few rows, unless there is none
+        to make."""
         return None if pack is None or self.one_row_copy is False else pack(weight)
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,

@@ -85,7 +85,8 @@ GEMV_MAX_ROWS_WIDENED = 32
 GEMV_MAX_ROWS_PANELS = 64
 FUSED_MAX_TOKENS = 8
 FUSED_MAX_TOKENS_WIDE = 32
-# One-row products from a second copy of the bfloat16 panels in 12 bits a weight
+# Products of one to a few rows (cpu_ops.panels12_rows, pairs12_rows; beside AMX tiles one)
+# from a second copy of the bfloat16 panels in 12 bits a weight
 # (cpu_ops.pack_panels12, lossless, 0.76x the bytes), wherever there are bfloat16 panels
 # (float32 arithmetic on bfloat16 weights: CPUs without AVX512-BF16 or AMX), and of the pair
 # panels or AMX tiles' weights where the CPU has AVX512-BF16 (one_row_pairs12); made unless
