@@ -177,9 +177,9 @@ class Worker:
         keep_copy), decided once, for the target model (a draft model follows it), before
         its weights are prepared: oneDNN's copy of the weights held in panels, for prompts
         (cpu_prefill_copy), and the 12-bit copy the decode steps of one to a few requests
-        read (cpu_one_row_copy). "auto" weighs this rank's weights (all the method holds: an upper
-        bound) against its share of the node's available RAM; the ranks agree (all keep a
-        copy, or none)."""
+        read (cpu_one_row_copy). "auto" weighs this rank's weights (all the method holds: an
+        upper bound) against its share of the node's available RAM; the ranks agree (all keep
+        a copy, or none)."""
         linear = self.ops.linear
         if (not isinstance(linear, GemvLinear)
                 or linear.gemm_copy is not None and linear.one_row_copy is not None):

@@ -106,8 +106,8 @@ def one_row_pairs12(flags: frozenset[str]) -> bool:
 
 
 # Share of the RAM available at load that a copy the engine can do without may take under
-# "auto": oneDNN's copy of the paneled weights (cpu_prefill_copy), the 12-bit copy for one
-# request's decode steps (cpu_one_row_copy).
+# "auto": oneDNN's copy of the paneled weights (cpu_prefill_copy), the 12-bit copy for the
+# decode steps of one to a few requests (cpu_one_row_copy).
 COPY_SHARE = 1 / 8
 
 
