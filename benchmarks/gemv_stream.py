@@ -16,9 +16,9 @@ Layouts, and x's dtype as the fused step passes it (its model dtype): panels (bf
 weights, float32 x), panels12 (their 12-bit copy, float32 x: what a step of one to a few
 requests reads on CPUs without AVX512-BF16), pairs (bfloat16 pair panels, bfloat16 x,
 AVX512-BF16), pairs12 (their 12-bit copy: what it reads on AVX512-BF16 CPUs without AMX),
-i8 (int8 panels; bfloat16 x where the first build has AVX512-BF16, else float32). Default: pairs12 where the
-first --isa build has AVX512-BF16, else panels12. A build that cannot hold a layout says so.
-GB/s: of the bytes the layout holds.
+i8 (int8 panels; bfloat16 x where the first build has AVX512-BF16, else float32). Default:
+pairs12 where the first --isa build has AVX512-BF16, else panels12. A build that cannot hold
+a layout says so. GB/s: of the bytes the layout holds.
 """
 from __future__ import annotations
 
